@@ -1,0 +1,1 @@
+"""kvforge: a KV-cache-centred LLM inference engine."""

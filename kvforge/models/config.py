@@ -1,0 +1,42 @@
+"""ModelConfig: the architecture facts the engine needs, whatever file they came from."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    arch: str  # "llama" (Llama, Mistral, SmolLM), "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (Qwen3)
+    sliding_window: int | None = None
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific (MLA, MoE)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_kind(self) -> str:
+        if self.extra.get("kv_lora_rank"):
+            return "MLA"
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        if self.num_kv_heads == 1:
+            return "MQA"
+        return "GQA"
