@@ -1,0 +1,102 @@
+"""Attention over the paged KV cache (torch reference, device-agnostic).
+
+Queries of one step are flattened across sequences: sequence i owns rows
+query_start_loc[i] : query_start_loc[i] + query_lens[i]. Its keys are the first
+context_lens[i] slots of the blocks in block_tables[i] (the new tokens included:
+they were written to the cache before attention runs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.kv.formats import LayerKV
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
+    positions: torch.Tensor  # [T] rotary position of each new token
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    block_size: int
+    sliding_window: int | None = None
+    query_start_loc: list[int] = field(init=False)
+    decode_rows: list[int] = field(init=False)  # sequences with one query token
+    prefill_rows: list[int] = field(init=False)
+
+    def __post_init__(self):
+        starts, total = [], 0
+        for n in self.query_lens:
+            starts.append(total)
+            total += n
+        self.query_start_loc = starts
+        self.decode_rows = [i for i, n in enumerate(self.query_lens) if n == 1]
+        self.prefill_rows = [i for i, n in enumerate(self.query_lens) if n != 1]
+        self._decode_cache = None
+
+    def decode_layout(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padded block table, key mask and query row index for the batched decode path."""
+        if self._decode_cache is None:
+            rows = self.decode_rows
+            width = max(len(self.block_tables[i]) for i in rows)
+            table = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, i in enumerate(rows):
+                table[r, : len(self.block_tables[i])] = torch.tensor(self.block_tables[i])
+            ctx = torch.tensor([self.context_lens[i] for i in rows])
+            key_pos = torch.arange(width * self.block_size)
+            valid = key_pos[None, :] < ctx[:, None]
+            if self.sliding_window:
+                valid &= key_pos[None, :] >= (ctx[:, None] - self.sliding_window)
+            q_index = torch.tensor([self.query_start_loc[i] for i in rows])
+            self._decode_cache = (table.to(device), valid.to(device), q_index.to(device))
+        return self._decode_cache
+
+
+def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, dim] -> [T, heads, v_dim] attention output over the cached history."""
+    out = None
+    if meta.decode_rows:
+        dec = _decode(q, cache, meta, scale)
+        out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
+        out[meta.decode_layout(q.device)[2]] = dec
+    for i in meta.prefill_rows:
+        start, n = meta.query_start_loc[i], meta.query_lens[i]
+        res = _prefill_one(q[start : start + n], cache, meta, i, scale)
+        if out is None:
+            out = q.new_empty(q.shape[0], q.shape[1], res.shape[-1])
+        out[start : start + n] = res
+    return out
+
+
+def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    table, valid, q_index = meta.decode_layout(q.device)
+    b, width = table.shape
+    k, v = cache.gather(table.flatten())
+    kv_heads = k.shape[1]
+    k = k.view(b, width * meta.block_size, kv_heads, -1).transpose(1, 2)  # [B, kvh, L, d]
+    v = v.view(b, width * meta.block_size, kv_heads, -1).transpose(1, 2)
+    qd = q[q_index].view(b, kv_heads, -1, q.shape[-1])  # [B, kvh, group, d]
+    scores = torch.matmul(qd, k.transpose(-1, -2)) * scale
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).reshape(b, -1, v.shape[-1])
+
+
+def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
+    n, ctx = q.shape[0], meta.context_lens[i]
+    blocks = torch.tensor(meta.block_tables[i][: -(-ctx // meta.block_size)], device=q.device)
+    k, v = cache.gather(blocks)
+    k, v = k[:ctx].transpose(0, 1)[None], v[:ctx].transpose(0, 1)[None]  # [1, kvh, ctx, d]
+    qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+    kpos = torch.arange(ctx, device=q.device)[None, :]
+    mask = kpos <= qpos
+    if meta.sliding_window:
+        mask &= kpos > qpos - meta.sliding_window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)

@@ -1,0 +1,59 @@
+"""EngineConfig: every engine option in one dataclass, validated in __post_init__."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvforge.errors import ConfigError
+
+KV_LAYOUTS = ("paged", "contiguous")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # GGUF file or Hugging Face dir; None = embedded SmolLM2-135M-Instruct
+    kv_cache_memory: int | None = None  # KV budget in bytes; None = kv_cache_memory_fraction of free memory
+    kv_cache_memory_fraction: float = 0.1
+    kv_cache_dtype: str = "fp32"
+    kv_cache_options: dict | None = None  # format options, e.g. {"group_size": 32}
+    block_size: int = 16
+    kv_layout: str = "paged"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's context length
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    device: str | None = None  # None = cuda when available, else cpu
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [
+            (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), f"block_size must be a power of two in 1..256, got {self.block_size!r}"),
+            (self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}"),
+            (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}"),
+            (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}"),
+            (self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+             f"max_model_len must be a positive integer or None, got {self.max_model_len!r}"),
+            (self.kv_cache_memory is None or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0),
+             f"kv_cache_memory must be a positive number of bytes or None, got {self.kv_cache_memory!r}"),
+            (0 < self.kv_cache_memory_fraction <= 0.95, f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        if not self.enable_chunked_prefill and self.max_model_len and self.max_model_len > self.max_num_batched_tokens:
+            raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                              f"({self.max_num_batched_tokens} < {self.max_model_len})")
+        if self.model is not None:
+            self.model = os.fspath(self.model)
+
+    def resolve_device(self):
+        import torch
+
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return torch.device(self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"device {self.device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:0'): {e}") from None

@@ -1,0 +1,179 @@
+"""LLMEngine: the step-level API (add_request, step, abort) that LLM and the server drive."""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.engine.runner import ModelRunner
+from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.sequence import Sequence
+from kvforge.engine.stop import check_stop
+from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from kvforge.kv.formats import get_format
+from kvforge.kv.manager import KVCacheManager
+from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
+from kvforge.kv.spec import KVCacheSpec
+from kvforge.models.loader import LoadedModel, load_model
+from kvforge.outputs import RequestOutput
+from kvforge.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        self.device = config.resolve_device()
+        torch.manual_seed(config.seed)
+        self.loaded = loaded or load_model(config.model, self.device)
+        self.model_config = cfg = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.spec = KVCacheSpec.from_model_config(cfg)
+        self.format = get_format(config.kv_cache_dtype, **(config.kv_cache_options or {}))
+        self.format.validate(self.spec, config.block_size)
+        num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(self.spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
+                                 self.max_model_len, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        self.runner = ModelRunner(self.loaded.model, self.kv, self.device, cfg.sliding_window, decode)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.generated_tokens = 0
+
+    def _num_blocks(self) -> int:
+        c = self.config
+        budget = c.kv_cache_memory
+        if budget is None:
+            budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
+        num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget)
+        need = blocks_for_tokens(self.max_model_len, c.block_size)
+        if num_blocks < need:
+            per_block = bytes_per_block(self.spec, self.format, c.block_size)
+            raise ConfigError(
+                f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
+                f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
+                "raise kv_cache_memory or lower max_model_len")
+        return num_blocks
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                    cache_salt: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                "so the prompt must be shorter than that to leave room for at least one generated token")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, text, ids, params, time.monotonic(), cache_salt)
+        if seq.generator is None and not params.greedy:
+            seq.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty; give at least one character or token id")
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; pass the prompt as a list of token ids")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)):
+            ids, text = list(prompt), None
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"token ids must be integers in [0, {vocab})")
+        else:
+            raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("prompt is empty; give at least one character or token id")
+        return text, ids
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one batch; returns outputs of requests that produced a token or finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        sampled = self.runner.execute(batch)
+        bs = self.kv.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens // bs > (seq.num_computed_tokens - n) // bs:
+                self.kv.cache_computed_blocks(seq)
+        outputs = []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.request_id not in sampled:
+                continue
+            seq.token_ids.append(sampled[seq.request_id])
+            self.generated_tokens += 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            seq.metrics.generated_tokens = seq.num_output_tokens
+            reason = check_stop(seq, self.tokenizer, self.max_model_len, self.model_config.eos_token_ids)
+            if reason:
+                seq.finish_reason = reason
+                seq.metrics.finished_time = now
+                self.scheduler.finish(seq)
+                self.requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        new = out_ids[seq.num_returned:]
+        seq.num_returned = len(out_ids)
+        text = ""
+        if self.tokenizer is not None and seq.is_finished:
+            text = self.tokenizer.decode(out_ids)
+            if seq.stop_text_len is not None:
+                text = text[: seq.stop_text_len]
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, text, list(out_ids), seq.is_finished,
+                             seq.finish_reason, seq.metrics, new, list(seq.logprobs) if seq.params.logprobs is not None else None)
+
+    def stats(self) -> dict:
+        s = self.kv.stats()
+        s.update({
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "generated_tokens": self.generated_tokens,
+            "kv_cache_dtype": self.format.name,
+            "kv_layout": self.config.kv_layout,
+        })
+        return s
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info.get("MemAvailable", info["MemFree"])

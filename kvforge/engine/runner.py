@@ -1,0 +1,58 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs the model, samples."""
+from __future__ import annotations
+
+import torch
+
+from kvforge.attention import AttentionMetadata
+from kvforge.engine.sampler import sample, top_logprobs
+from kvforge.engine.scheduler import ScheduledBatch
+from kvforge.kv.manager import KVCacheManager
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, device: torch.device, sliding_window: int | None = None,
+                 decode=None):
+        self.model, self.kv, self.device = model, kv, device
+        self.sliding_window = sliding_window
+        self.decode = decode
+        self.forward_tokens = 0  # tokens pushed through the model, for FLOP accounting
+
+    def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+        input_ids, positions, slots, ctx_lens, sample_rows = [], [], [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self.kv.slots(seq, start, end))
+            ctx_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            query_lens=list(batch.num_new_tokens),
+            context_lens=ctx_lens,
+            block_tables=[seq.block_table for seq in batch.seqs],
+            block_size=self.kv.block_size,
+            sliding_window=self.sliding_window,
+        )
+        return torch.tensor(input_ids, dtype=torch.long, device=dev), meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
+        """Run one step; returns the sampled token of each sequence that reached its last token."""
+        input_ids, meta, sample_rows = self.build_metadata(batch)
+        hidden = self.model(input_ids, meta, self.kv.pool)
+        self.forward_tokens += input_ids.shape[0]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        sampled_seqs = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
+        if not sampled_seqs:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows]).float()
+        tokens = sample(logits, sampled_seqs)
+        for row, (seq, tok) in enumerate(zip(sampled_seqs, tokens)):
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(top_logprobs(logits[row], tok, seq.params.logprobs, self.decode))
+        return {seq.request_id: tok for seq, tok in zip(sampled_seqs, tokens)}

