@@ -26,6 +26,7 @@ class KVCacheManager:
             self.prefix_tree = PrefixTree(self.allocator, block_size)
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.peak_blocks_used = 0
 
     @property
     def num_blocks(self) -> int:
@@ -66,6 +67,7 @@ class KVCacheManager:
         if not self.allocator.can_allocate(need):
             return False
         seq.block_table.extend(self.allocator.allocate(need))
+        self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
         return True
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
@@ -110,6 +112,7 @@ class KVCacheManager:
         return {
             "kv_blocks_total": self.allocator.num_blocks,
             "kv_blocks_used": used,
+            "kv_blocks_used_peak": self.peak_blocks_used,
             "kv_blocks_free": self.allocator.num_free,
             "kv_blocks_cached_idle": cached,
             "kv_block_size": self.block_size,

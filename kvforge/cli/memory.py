@@ -1,0 +1,73 @@
+"""`kvforge memory MODEL`: KV bytes per token / sequence / batch, MHA ratio, and what fits in a budget."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvforge.memcalc import WEIGHT_BYTES_PER_PARAM, MemoryReport, memory_report, parse_size, resolve_model
+from kvforge.presets import PRESETS
+
+EPILOG = f"presets: {', '.join(PRESETS)}"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("memory", help="KV cache memory calculator", description=__doc__, epilog=EPILOG)
+    p.add_argument("model", nargs="?", default="smollm2-135m",
+                   help="preset name, Hugging Face config.json (or its directory), or .gguf file")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context length)")
+    p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--kv-dtype", default="fp16", help="KV storage format (default fp16)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--memory", help="device memory for 'what fits', e.g. 80GiB, 24GB, 512MiB, or bytes")
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--weights", help="bytes the weights take, e.g. 14GB (default for a GGUF: its tensors)")
+    weights.add_argument("--weights-dtype", help=f"estimate weights from the parameter count: "
+                                                 f"{', '.join(WEIGHT_BYTES_PER_PARAM)}")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = memory_report(
+        resolve_model(args.model), seq_len=args.seq_len, batch=args.batch, kv_dtype=args.kv_dtype,
+        block_size=args.block_size, memory=None if args.memory is None else parse_size(args.memory),
+        weights=None if args.weights is None else parse_size(args.weights), weights_dtype=args.weights_dtype,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    return 0
+
+
+def human(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:g} B"
+
+
+def _bytes(n: float) -> str:
+    return f"{human(n):>12}  ({n:,.0f} B)" if n >= 1024 else f"{human(n):>12}"
+
+
+def format_report(r: MemoryReport) -> str:
+    lines = [
+        f"{r.model}: {r.arch}, {r.attention_kind}, {r.parameters / 1e9:.2f}B parameters, context {r.max_context:,}",
+        f"kv_dtype {r.kv_dtype}, block_size {r.block_size}, seq_len {r.seq_len:,}, batch {r.batch}",
+        "",
+        f"  elements per token   {r.per_token_elements:>12,}",
+        f"  bytes per token      {_bytes(r.per_token_bytes)}",
+        f"  per sequence         {_bytes(r.per_sequence_bytes)}",
+        f"  {f'total (batch {r.batch})':<21}{_bytes(r.total_bytes)}",
+        f"  block overhead       {_bytes(r.block_overhead_bytes)}",
+        f"  mha_ratio            {r.mha_ratio:>12.4f}  (full MHA: {human(r.mha_per_token_bytes)} per token)",
+    ]
+    if r.fits:
+        f = r.fits
+        lines += [
+            "",
+            (f"what fits in {human(f.memory_bytes)} (weights {human(f.weights_bytes)}, KV budget "
+             f"{human(f.kv_budget_bytes)} = {f.num_blocks:,} blocks):"),
+            f"  max batch at {r.seq_len:,} tokens    {f.max_batch:,}",
+            f"  max seq_len at batch {r.batch}     {f.max_seq_len:,} tokens",
+        ]
+    lines += [f"note: {n}" for n in r.notes]
+    return "\n".join(lines)

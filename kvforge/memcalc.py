@@ -1,0 +1,252 @@
+"""`kvforge memory`: KV bytes per token / sequence / batch, the MHA ratio, and what fits in a budget.
+
+Every byte figure comes from kvforge.kv.memory, the formula the engine sizes its pools with.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvforge.errors import ConfigError, KVForgeError, ModelLoadError
+from kvforge.kv.formats import KVFormat, get_format
+from kvforge.kv.memory import (
+    blocks_for_tokens,
+    bytes_for_sequence,
+    bytes_per_block,
+    bytes_per_token,
+    num_blocks_for_budget,
+)
+from kvforge.kv.spec import KVCacheSpec
+from kvforge.models.config import ModelConfig
+from kvforge.models.hf_config import load_hf_config
+from kvforge.presets import PRESETS, get_preset
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+WEIGHT_BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "q8_0": 34 / 32,
+                          "int4": 0.5, "q4_0": 18 / 32}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '80GiB', '24GB', '512MiB', '1.5TiB' or plain '1000'."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and _UNITS.get(m.group(2).lower())
+    if not m or unit is None:
+        units = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        raise ConfigError(f"bad size {text!r}; use a number with an optional unit: {units}")
+    return int(float(m.group(1)) * unit)
+
+
+@dataclass
+class ResolvedModel:
+    name: str
+    config: ModelConfig
+    file_weights_bytes: int | None = None  # tensor bytes of a GGUF file, when known
+
+
+def resolve_model(source: str) -> ResolvedModel:
+    """A preset name, a config.json (or a directory holding one), or a GGUF file."""
+    if source.lower() in PRESETS:
+        return ResolvedModel(source.lower(), get_preset(source))
+    path = Path(source)
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        path = ggufs[0] if len(ggufs) == 1 else path
+    if path.is_file() and path.suffix == ".gguf":
+        return _resolve_gguf(path)
+    if path.is_dir() or path.is_file():
+        return ResolvedModel(str(source), load_hf_config(path))
+    raise ConfigError(f"{source!r} is neither a model preset nor an existing path; presets: {', '.join(PRESETS)}; "
+                      "or give a Hugging Face config.json, a directory holding one, or a .gguf file")
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of the main model (no MTP head), from the architecture alone."""
+    h, heads, ex = cfg.hidden_size, cfg.num_heads, cfg.extra
+    total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
+    if ex.get("kv_lora_rank"):
+        r_q, r_kv, nope, rope, v = (ex.get(k) or 0 for k in
+                                    ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                     "v_head_dim"))
+        q = h * r_q + r_q + r_q * heads * (nope + rope) if r_q else h * heads * (nope + rope)
+        attn = q + h * (r_kv + rope) + r_kv + r_kv * heads * (nope + v) + heads * v * h
+    else:
+        qkv = cfg.head_dim * (heads + 2 * cfg.num_kv_heads)
+        attn = h * qkv + heads * cfg.head_dim * h + (qkv if cfg.attention_bias else 0)
+        attn += 2 * cfg.head_dim if cfg.qk_norm else 0
+    dense = 3 * h * cfg.intermediate_size
+    experts = ex.get("n_routed_experts") or 0
+    moe = (experts + (ex.get("n_shared_experts") or 0)) * 3 * h * (ex.get("moe_intermediate_size") or 0)
+    moe += experts * h + (experts if ex.get("topk_method") == "noaux_tc" else 0)
+    first_dense, freq = ex.get("first_k_dense_replace") or 0, ex.get("moe_layer_freq") or 1
+    for i in range(cfg.num_layers):
+        is_moe = experts and i >= first_dense and i % freq == 0
+        total += attn + 2 * h + (moe if is_moe else dense)
+    return total
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
+    if dtype not in WEIGHT_BYTES_PER_PARAM:
+        raise ConfigError(f"unknown weights dtype {dtype!r}; allowed: {', '.join(WEIGHT_BYTES_PER_PARAM)}")
+    return int(parameter_count(cfg) * WEIGHT_BYTES_PER_PARAM[dtype])
+
+
+def mha_spec(cfg: ModelConfig) -> KVCacheSpec:
+    """The same model with full multi-head attention (MLA: qk_nope+qk_rope keys, v_head_dim values)."""
+    if cfg.extra.get("kv_lora_rank"):
+        qk = cfg.extra["qk_nope_head_dim"] + cfg.extra["qk_rope_head_dim"]
+        return KVCacheSpec(cfg.num_layers, cfg.num_heads, qk, cfg.extra["v_head_dim"])
+    return KVCacheSpec(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.head_dim)
+
+
+def _mha_per_token_bytes(cfg: ModelConfig, fmt: KVFormat, block_size: int) -> float:
+    spec = mha_spec(cfg)
+    try:
+        fmt.validate(spec, block_size)
+        return bytes_per_token(spec, fmt, block_size)
+    except KVForgeError:  # a format that cannot hold the MHA shape: compare at the element level
+        own = KVCacheSpec.from_model_config(cfg)
+        return bytes_per_token(own, fmt, block_size) * spec.elements_per_token / own.elements_per_token
+
+
+@dataclass
+class Fits:
+    memory_bytes: int
+    weights_bytes: int
+    kv_budget_bytes: int
+    num_blocks: int
+    max_batch: int  # sequences of seq_len tokens
+    max_seq_len: int  # tokens per sequence at batch
+
+
+@dataclass
+class MemoryReport:
+    model: str
+    arch: str
+    attention_kind: str
+    kv_dtype: str
+    block_size: int
+    seq_len: int
+    batch: int
+    max_context: int
+    parameters: int
+    per_token_elements: int
+    per_token_bytes: float
+    per_block_bytes: int
+    per_sequence_bytes: int
+    total_bytes: int
+    block_overhead_bytes: float  # whole batch: bytes reserved in each sequence's last, partly filled block
+    mha_per_token_bytes: float
+    mha_ratio: float
+    fits: Fits | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def what_fits(spec: KVCacheSpec, fmt: KVFormat, block_size: int, memory: int, weights: int, seq_len: int,
+              batch: int) -> Fits:
+    budget = max(memory - weights, 0)
+    blocks = num_blocks_for_budget(spec, fmt, block_size, budget)
+    return Fits(memory, weights, budget, blocks, blocks // blocks_for_tokens(seq_len, block_size),
+                blocks // batch * block_size)
+
+
+def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch: int = 1, kv_dtype: str = "fp16",
+                  block_size: int = 16, memory: int | None = None, weights: int | None = None,
+                  weights_dtype: str | None = None) -> MemoryReport:
+    m = resolve_model(model) if isinstance(model, str) else model
+    cfg = m.config
+    seq_len = cfg.max_position_embeddings if seq_len is None else seq_len
+    for name, value in (("seq_len", seq_len), ("batch", batch), ("block_size", block_size)):
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    spec, fmt = KVCacheSpec.from_model_config(cfg), get_format(kv_dtype)
+    fmt.validate(spec, block_size)
+    per_token = bytes_per_token(spec, fmt, block_size)
+    per_seq = bytes_for_sequence(spec, fmt, seq_len, block_size)
+    mha = _mha_per_token_bytes(cfg, fmt, block_size)
+    report = MemoryReport(
+        m.name, cfg.arch, cfg.attention_kind, kv_dtype, block_size, seq_len, batch, cfg.max_position_embeddings,
+        parameter_count(cfg), spec.elements_per_token, per_token, bytes_per_block(spec, fmt, block_size), per_seq,
+        per_seq * batch, _whole((per_seq - seq_len * per_token) * batch), mha, per_token / mha,
+    )
+    if weights is None and weights_dtype is not None:
+        weights = weight_bytes(cfg, weights_dtype)
+    if memory is not None:
+        weights = weights if weights is not None else (m.file_weights_bytes or 0)
+        report.fits = what_fits(spec, fmt, block_size, memory, weights, seq_len, batch)
+    report.notes = _notes(report, cfg)
+    return report
+
+
+def _whole(x: float) -> float:
+    return round(x) if abs(x - round(x)) < 1e-6 else x
+
+
+def _notes(r: MemoryReport, cfg: ModelConfig) -> list[str]:
+    notes = []
+    if r.seq_len > r.max_context:
+        notes.append(f"seq_len {r.seq_len} exceeds the model's context of {r.max_context} tokens")
+    if cfg.sliding_window and r.seq_len > cfg.sliding_window:
+        notes.append(f"sliding_window {cfg.sliding_window}: figures assume every token stays cached")
+    if r.fits and r.fits.max_seq_len > r.max_context:
+        notes.append(f"max_seq_len {r.fits.max_seq_len} is more than the model's context of {r.max_context} tokens")
+    if r.fits and r.fits.weights_bytes >= r.fits.memory_bytes:
+        notes.append("weights take all of the memory; no room for KV")
+    return notes
+
+
+_GGUF_ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "deepseek2": "deepseek"}
+
+
+def _resolve_gguf(path: Path) -> ResolvedModel:
+    """Architecture from a GGUF file's metadata only; its tensor bytes stand for the weights."""
+    import mmap
+
+    from kvforge.models.gguf_loader import read_gguf_header
+
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            meta, tensors = read_gguf_header(str(path), buf)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot read the file as GGUF ({e})") from None
+    cfg = _gguf_config(path, meta, tied=not any(t.name == "output.weight" for t in tensors))
+    return ResolvedModel(path.name, cfg, sum(t.nbytes for t in tensors))
+
+
+def _gguf_config(path: Path, meta: dict[str, Any], tied: bool) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHES:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCHES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    kv_heads, head_dim, extra = int(get("attention.head_count_kv", heads)), hidden // heads, {}
+    name = _GGUF_ARCHES[arch]
+    if name == "deepseek":
+        rope = int(get("rope.dimension_count"))
+        qk = int(meta.get(f"{arch}.attention.key_length_mla") or get("attention.key_length"))
+        v = int(meta.get(f"{arch}.attention.value_length_mla") or get("attention.value_length"))
+        extra = {"q_lora_rank": int(get("attention.q_lora_rank", 0)) or None,
+                 "kv_lora_rank": int(get("attention.kv_lora_rank")), "qk_nope_head_dim": qk - rope,
+                 "qk_rope_head_dim": rope, "v_head_dim": v, "n_routed_experts": get("expert_count", 0),
+                 "n_shared_experts": get("expert_shared_count", 0), "num_experts_per_tok": get("expert_used_count", 0),
+                 "moe_intermediate_size": get("expert_feed_forward_length", 0),
+                 "first_k_dense_replace": get("leading_dense_block_count", 0)}
+        name = "deepseek_v3" if get("expert_gating_func", 1) == 2 else "deepseek_v2"
+        kv_heads, head_dim = heads, qk
+    else:
+        head_dim = int(get("attention.key_length", head_dim))
+    return ModelConfig(name, int(vocab), hidden, int(get("feed_forward_length")), int(get("block_count")), heads,
+                       kv_heads, head_dim, max_position_embeddings=int(get("context_length", 4096)),
+                       tie_word_embeddings=tied, extra=extra)

@@ -1,0 +1,124 @@
+"""ModelConfig from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, DeepSeek-V2/V3)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvforge.errors import ModelLoadError
+from kvforge.models.config import ModelConfig
+
+ARCH_BY_MODEL_TYPE = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
+}
+ARCH_BY_CLASS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MOE_KEYS = (
+    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "first_k_dense_replace", "moe_layer_freq", "routed_scaling_factor", "topk_method", "n_group",
+    "topk_group", "norm_topk_prob", "scoring_func", "num_nextn_predict_layers", "rope_interleave",
+)
+
+
+def detect_arch(cfg: dict[str, Any]) -> str:
+    arch = ARCH_BY_MODEL_TYPE.get(cfg.get("model_type") or "")
+    for cls in cfg.get("architectures") or []:
+        arch = arch or ARCH_BY_CLASS.get(cls)
+    if arch is None:
+        supported = ", ".join(sorted(ARCH_BY_MODEL_TYPE))
+        classes = ", ".join(ARCH_BY_CLASS)
+        raise ModelLoadError(
+            f"unsupported model_type {cfg.get('model_type')!r} (architectures {cfg.get('architectures')}); "
+            f"supported model_type: {supported} ({classes})"
+        )
+    return arch
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return float(theta), None
+    return float(theta), {**scaling, "rope_type": kind}
+
+
+def _eos_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _require(cfg: dict[str, Any], *keys: str) -> None:
+    missing = [k for k in keys if cfg.get(k) is None]
+    if missing:
+        raise ModelLoadError(f"config.json lacks required keys {missing}")
+
+
+def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Translate a Hugging Face config dict into a ModelConfig."""
+    arch = detect_arch(cfg)
+    _require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    extra: dict[str, Any] = {}
+    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if arch.startswith("deepseek"):
+        _require(cfg, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        extra = {k: cfg.get(k) for k in MLA_KEYS + MOE_KEYS if k in cfg}
+        kv_heads = heads
+        head_dim = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
+    elif arch.startswith("qwen") and sliding is not None and cfg.get("max_window_layers") is not None:
+        extra["max_window_layers"] = cfg["max_window_layers"]
+    theta, scaling = _rope(cfg)
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        sliding_window=int(sliding) if sliding else None,
+        rope_scaling=scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+        extra=extra,
+    )
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """ModelConfig from a config.json file or a directory holding one."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"no config.json at {path}") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path} as JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return model_config_from_hf(cfg)

@@ -1,0 +1,32 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smol_path():
+    from kvforge.models.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smol_loaded(smol_path):
+    """kvforge's own load of the embedded SmolLM2 (shared by engines in one session)."""
+    from kvforge.models.loader import load_model
+
+    return load_model(smol_path)
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_path):
+    """transformers' load of the same GGUF: the reference for correctness."""
+    from transformers import AutoModelForCausalLM
+
+    d, name = os.path.split(smol_path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32).eval()

@@ -1,0 +1,260 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvforge.cli import main
+from kvforge.errors import ConfigError, KVForgeError, ModelLoadError
+from kvforge.kv.formats import KVFormat, get_format
+from kvforge.kv.memory import bytes_for_sequence, bytes_per_token
+from kvforge.kv.spec import KVCacheSpec
+from kvforge.memcalc import ResolvedModel, memory_report, parameter_count, parse_size, resolve_model, weight_bytes
+from kvforge.models.config import ModelConfig
+from kvforge.presets import PRESETS, get_preset
+
+GiB, MiB = 2**30, 2**20
+
+# per-token elements by hand: 2 (K and V) * layers * kv_heads * head_dim; MLA: layers * (kv_lora_rank + qk_rope)
+HAND_ELEMENTS = {
+    "llama-2-7b": 2 * 32 * 32 * 128,
+    "llama-2-13b": 2 * 40 * 40 * 128,
+    "llama-2-70b": 2 * 80 * 8 * 128,
+    "llama-3-8b": 2 * 32 * 8 * 128,
+    "llama-3-70b": 2 * 80 * 8 * 128,
+    "mistral-7b": 2 * 32 * 8 * 128,
+    "qwen2.5-7b": 2 * 28 * 4 * 128,
+    "qwen2.5-72b": 2 * 80 * 8 * 128,
+    "smollm2-135m": 2 * 30 * 3 * 64,
+    "deepseek-v2": 60 * (512 + 64),
+    "deepseek-v3": 61 * (512 + 64),
+}
+
+
+def test_every_preset_has_a_hand_computed_figure():
+    assert set(HAND_ELEMENTS) == set(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(HAND_ELEMENTS))
+def test_preset_per_token_matches_hand_arithmetic(name):
+    fp16 = memory_report(name, seq_len=1024)
+    assert fp16.per_token_elements == HAND_ELEMENTS[name]
+    assert fp16.per_token_bytes == HAND_ELEMENTS[name] * 2
+    assert fp16.per_sequence_bytes == HAND_ELEMENTS[name] * 2 * 1024
+    assert memory_report(name, seq_len=1024, kv_dtype="fp32").per_token_bytes == HAND_ELEMENTS[name] * 4
+
+
+def test_llama_2_7b_headline_figures():
+    r = memory_report("llama-2-7b", seq_len=8192)
+    assert r.per_token_elements == 262_144
+    assert r.per_token_bytes == 0.5 * MiB
+    assert r.per_sequence_bytes == r.total_bytes == 4 * GiB
+    assert memory_report("llama-2-7b", seq_len=8192, batch=32).total_bytes == 128 * GiB
+
+
+def test_seq_len_defaults_to_model_context():
+    assert memory_report("llama-3-8b").seq_len == 8192
+    assert memory_report("deepseek-v3").seq_len == 163840
+
+
+def test_figures_come_from_the_one_formula():
+    for name in ("llama-3-8b", "deepseek-v3"):
+        cfg = get_preset(name)
+        spec = KVCacheSpec.from_model_config(cfg)
+        for dtype in sorted(KVFormat.registry):
+            fmt = get_format(dtype)
+            try:
+                fmt.validate(spec, 32)
+            except KVForgeError:
+                continue
+            r = memory_report(name, seq_len=1000, batch=3, kv_dtype=dtype, block_size=32)
+            assert r.per_token_bytes == bytes_per_token(spec, fmt, 32)
+            assert r.per_sequence_bytes == bytes_for_sequence(spec, fmt, 1000, 32)
+            assert r.total_bytes == 3 * r.per_sequence_bytes
+
+
+@pytest.mark.parametrize("name,ratio", [
+    ("llama-2-7b", 1.0),  # MHA
+    ("llama-3-8b", 8 / 32),  # GQA
+    ("qwen2.5-7b", 4 / 28),
+    ("smollm2-135m", 3 / 9),
+    ("deepseek-v3", (512 + 64) / (128 * ((128 + 64) + 128))),  # MLA latent vs full MHA K (nope+rope) and V
+    ("deepseek-v2", (512 + 64) / (128 * ((128 + 64) + 128))),
+])
+def test_mha_ratio(name, ratio):
+    assert memory_report(name, seq_len=16).mha_ratio == pytest.approx(ratio)
+
+
+def test_mha_ratio_mqa():
+    cfg = ModelConfig("llama", 100, 512, 1024, 4, 8, 1, 64)
+    r = memory_report(ResolvedModel("tiny", cfg), seq_len=16)
+    assert r.attention_kind == "MQA" and r.mha_ratio == pytest.approx(1 / 8)
+    assert r.mha_per_token_bytes == 2 * 4 * 8 * 64 * 2
+
+
+def test_block_overhead_is_the_empty_tail_of_the_last_block():
+    per_token = 2 * 32 * 8 * 128 * 2  # llama-3-8b fp16
+    r = memory_report("llama-3-8b", seq_len=100, batch=3, block_size=16)
+    assert r.per_sequence_bytes == 7 * 16 * per_token  # ceil(100 / 16) = 7 blocks
+    assert r.block_overhead_bytes == 3 * (112 - 100) * per_token
+    assert memory_report("llama-3-8b", seq_len=128, block_size=16).block_overhead_bytes == 0
+
+
+def test_what_fits_arithmetic():
+    # llama-2-7b fp16: 0.5 MiB/token, block of 16 = 8 MiB; 80 GiB - 16 GiB weights = 64 GiB = 8192 blocks
+    r = memory_report("llama-2-7b", seq_len=4096, batch=4, memory=80 * GiB, weights=16 * GiB)
+    assert r.fits.kv_budget_bytes == 64 * GiB and r.fits.num_blocks == 8192
+    assert r.fits.max_batch == 8192 // (4096 // 16) == 32
+    assert r.fits.max_seq_len == 8192 // 4 * 16 == 32768
+    partial = memory_report("llama-2-7b", seq_len=4097, batch=3, memory=80 * GiB, weights=16 * GiB)
+    assert partial.fits.max_batch == 8192 // 257 and partial.fits.max_seq_len == 8192 // 3 * 16
+
+
+def test_weights_from_dtype_and_parameter_count():
+    assert parameter_count(get_preset("llama-2-7b")) == 6_738_415_616
+    assert parameter_count(get_preset("llama-3-8b")) == 8_030_261_248
+    assert parameter_count(get_preset("deepseek-v3")) == pytest.approx(671e9, rel=0.005)
+    assert parameter_count(get_preset("deepseek-v2")) == pytest.approx(236e9, rel=0.005)
+    assert parameter_count(get_preset("smollm2-135m")) == pytest.approx(134.5e6, rel=0.005)
+    assert weight_bytes(get_preset("llama-2-7b"), "bf16") == 2 * 6_738_415_616
+    r = memory_report("llama-2-7b", seq_len=4096, memory=80 * GiB, weights_dtype="fp16")
+    assert r.fits.weights_bytes == 2 * 6_738_415_616
+
+
+def test_weights_larger_than_memory_fit_nothing():
+    r = memory_report("deepseek-v3", seq_len=4096, memory=80 * GiB, weights_dtype="fp8")
+    assert (r.fits.kv_budget_bytes, r.fits.max_batch, r.fits.max_seq_len) == (0, 0, 0)
+    assert any("no room" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("text,value", [
+    ("80GiB", 80 * GiB), ("24GB", 24 * 10**9), ("512MiB", 512 * MiB), ("1000", 1000), ("1.5 gib", 3 * GiB // 2),
+    ("4KiB", 4096), ("2TB", 2 * 10**12), (123, 123),
+])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "80 GiBs", "-1GB", "8x141GB", "1e9", "12 G"])
+def test_bad_size_strings(text):
+    with pytest.raises(ConfigError, match="bad size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"seq_len": 0}, "seq_len must be >= 1"),
+    ({"batch": 0}, "batch must be >= 1"),
+    ({"block_size": 0}, "block_size must be >= 1"),
+    ({"kv_dtype": "fp9"}, "unknown kv_cache_dtype 'fp9'"),
+    ({"memory": GiB, "weights_dtype": "fp7"}, "unknown weights dtype"),
+])
+def test_bad_options(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        memory_report("llama-2-7b", **kwargs)
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError, match="presets: llama-2-7b, .*deepseek-v3"):
+        resolve_model("llama-9")
+    with pytest.raises(ConfigError, match="smollm2-135m"):
+        get_preset("llama-9")
+
+
+def test_presets_are_copies():
+    get_preset("llama-2-7b").extra["x"] = 1
+    assert "x" not in get_preset("llama-2-7b").extra
+
+
+def test_hf_config_json_and_dir(tmp_path):
+    hf = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "max_position_embeddings": 8192, "rope_theta": 500000.0}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    for source in (tmp_path, tmp_path / "config.json"):
+        r = memory_report(str(source))
+        assert r.per_token_bytes == 2 * 32 * 8 * 128 * 2 and r.seq_len == 8192
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+def _write_gguf(path, arch: str, kv: dict, extra: dict | None = None):
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(kv["layers"])
+    w.add_context_length(kv["ctx"])
+    w.add_embedding_length(kv["hidden"])
+    w.add_feed_forward_length(kv["ffn"])
+    w.add_head_count(kv["heads"])
+    w.add_head_count_kv(kv["kv_heads"])
+    w.add_vocab_size(100)
+    for key, value in (extra or {}).items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((100, kv["hidden"]), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_metadata(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", {"layers": 3, "ctx": 512, "hidden": 64, "ffn": 128, "heads": 4, "kv_heads": 2})
+    m = resolve_model(str(path))
+    assert (m.config.num_layers, m.config.num_kv_heads, m.config.head_dim) == (3, 2, 16)
+    assert m.file_weights_bytes == 100 * 64 * 4
+    r = memory_report(m, memory=MiB)
+    assert r.per_token_elements == 2 * 3 * 2 * 16 and r.seq_len == 512
+    assert r.fits.weights_bytes == 100 * 64 * 4
+    assert resolve_model(str(tmp_path)).name == "tiny.gguf"  # a directory holding one .gguf
+
+
+def test_gguf_mla(tmp_path):
+    path = tmp_path / "ds.gguf"
+    sigmoid = pytest.importorskip("gguf").ExpertGatingFuncType.SIGMOID
+    mla = {"kv_lora_rank": 32, "key_length_mla": 24, "value_length_mla": 16, "rope_dimension_count": 8,
+           "key_length": 32 + 8, "value_length": 32, "expert_gating_func": sigmoid}
+    shape = {"layers": 2, "ctx": 256, "hidden": 64, "ffn": 128, "heads": 4, "kv_heads": 1}
+    _write_gguf(path, "deepseek2", shape, mla)
+    cfg = resolve_model(str(path)).config
+    assert cfg.arch == "deepseek_v3" and cfg.attention_kind == "MLA"
+    assert (cfg.extra["qk_nope_head_dim"], cfg.extra["qk_rope_head_dim"], cfg.extra["v_head_dim"]) == (16, 8, 16)
+    r = memory_report(resolve_model(str(path)), seq_len=16)
+    assert r.per_token_elements == 2 * (32 + 8)
+    assert r.mha_ratio == pytest.approx((32 + 8) / (4 * (24 + 16)))
+
+
+def test_gguf_unsupported_arch(tmp_path):
+    path = tmp_path / "g.gguf"
+    _write_gguf(path, "gpt2", {"layers": 1, "ctx": 64, "hidden": 8, "ffn": 16, "heads": 2, "kv_heads": 2})
+    with pytest.raises(ModelLoadError, match="'gpt2' is not supported"):
+        resolve_model(str(path))
+
+
+def test_cli_json(capsys):
+    assert main(["memory", "llama-2-7b", "--seq-len", "8192", "--batch", "32", "--memory", "80GiB",
+                 "--weights", "16GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["per_token_elements"] == 262_144 and out["per_token_bytes"] == 524_288
+    assert out["per_sequence_bytes"] == 4 * GiB and out["total_bytes"] == 128 * GiB
+    assert out["mha_ratio"] == 1.0 and out["block_overhead_bytes"] == 0
+    assert out["fits"]["max_batch"] == 8192 // 512 and out["fits"]["max_seq_len"] == 8192 // 32 * 16
+
+
+def test_cli_table(capsys):
+    assert main(["memory", "deepseek-v3", "--seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "MLA" in out and "35,136" in out and "0.0141" in out and "fits" not in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["memory", "llama-9"], "presets: llama-2-7b"),
+    (["memory", "llama-2-7b", "--memory", "lots"], "bad size 'lots'"),
+    (["memory", "llama-2-7b", "--seq-len", "0"], "seq_len must be >= 1"),
+    (["memory", "llama-2-7b", "--kv-dtype", "fp9"], "allowed:"),
+])
+def test_cli_errors_exit_2(capsys, argv, match):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvforge: error:") and match in err and "Traceback" not in err
