@@ -30,3 +30,19 @@ def hf_smol(smol_path):
 
     d, name = os.path.split(smol_path)
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    from tiny_models import write_tiny_model
+
+    d = tmp_path_factory.mktemp("tiny-llama-gqa")
+    write_tiny_model("llama-gqa", d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_dir):
+    from kvforge.models.loader import load_model
+
+    return load_model(tiny_dir)

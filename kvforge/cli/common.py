@@ -2,20 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import re
 
-from kvforge.errors import ConfigError
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'512MiB', '24GB', '80GiB' or plain bytes -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"size {text!r} is not understood; write bytes or a number with KiB/MiB/GiB/KB/MB/GB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+from kvforge.memcalc import parse_size
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:

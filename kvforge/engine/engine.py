@@ -50,7 +50,10 @@ class LLMEngine:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
         num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget)
         need = blocks_for_tokens(self.max_model_len, c.block_size)
-        if num_blocks < need:
+        if num_blocks < need and c.max_model_len is None and num_blocks > 0:
+            self.max_model_len = num_blocks * c.block_size  # the model's full context does not fit: cap it
+            need = num_blocks
+        if num_blocks < need or num_blocks == 0:
             per_block = bytes_per_block(self.spec, self.format, c.block_size)
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "

@@ -1,0 +1,16 @@
+"""transformers as the reference: plain greedy decoding with its own KV cache, no logit processors."""
+from __future__ import annotations
+
+import torch
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    past, tokens = out.past_key_values, []
+    for _ in range(max_new_tokens):
+        nxt = int(out.logits[0, -1].argmax())
+        tokens.append(nxt)
+        out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    return tokens
