@@ -1,0 +1,317 @@
+"""load_gguf: a GGUF file -> ModelConfig, fp32 weights under Hugging Face names, Tokenizer.
+
+The header is parsed here (every read bounds-checked, so a bad file gives a ModelLoadError, not a
+struct or numpy error); tensor data is memory-mapped and dequantized with `gguf.quants`.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kvforge.errors import KVForgeError, ModelLoadError
+from kvforge.models.config import ModelConfig
+from kvforge.models.tokenizer import Tokenizer
+
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_PERMUTED_QK = {"llama", "mistral"}  # llama.cpp's converter interleaves q/k rows for its RoPE
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_REQUIRED = [f"{m}.weight" for m in _LAYER.values() if not m.endswith(("q_norm", "k_norm"))]
+_IGNORED = {"rope_freqs.weight"}
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # torch order: ggml's dimensions reversed
+    qtype: GGMLQuantizationType
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a buffer, refusing to read past its end."""
+
+    def __init__(self, buf: Any, path: str) -> None:
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def take(self, n: int, what: str) -> int:
+        start = self.pos
+        if n < 0 or start + n > self.size:
+            raise ModelLoadError(
+                f"{self.path}: truncated or corrupt GGUF: reading {what} needs bytes {start}..{start + n} "
+                f"but the file has {self.size} bytes"
+            )
+        self.pos += n
+        return start
+
+    def scalar(self, vtype: int, what: str) -> Any:
+        fmt = _SCALAR[vtype]
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.scalar(10, what)
+        start = self.take(n, what)
+        try:
+            return bytes(self.buf[start : start + n]).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{self.path}: corrupt GGUF: {what} at byte {start} is not UTF-8") from e
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype in _SCALAR:
+            return self.scalar(vtype, what)
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            etype, count = self.scalar(4, what), self.scalar(10, what)
+            if etype in _SCALAR:
+                width = struct.calcsize(_SCALAR[etype])
+                start = self.take(count * width, what)
+                return np.frombuffer(self.buf, np.dtype(_SCALAR[etype]), count, start).tolist()
+            if count > self.size - self.pos:
+                self.take(count, what)  # raises: not even a byte per element is left
+            return [self.value(etype, what) for _ in range(count)]
+        raise ModelLoadError(f"{self.path}: corrupt GGUF: {what} has unknown value type {vtype} (expected 0..12)")
+
+
+def read_gguf_header(path: str, buf: Any) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    """Metadata and the tensor table of a GGUF file; checks every tensor's data lies inside the file."""
+    cur = _Cursor(buf, path)
+    magic = bytes(buf[: cur.take(4, "the magic number") + 4])
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file: starts with {magic!r}, expected b'GGUF'")
+    version = cur.scalar(4, "the version")
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: GGUF version {version} is not supported; supported: 2, 3 (little-endian)")
+    n_tensors, n_kv = cur.scalar(10, "the tensor count"), cur.scalar(10, "the metadata count")
+    if n_tensors > cur.size or n_kv > cur.size:
+        raise ModelLoadError(f"{path}: corrupt GGUF header: {n_tensors} tensors, {n_kv} metadata entries")
+    meta: dict[str, Any] = {}
+    for i in range(n_kv):
+        key = cur.string(f"metadata key #{i}")
+        meta[key] = cur.value(cur.scalar(4, f"the type of {key}"), f"metadata value {key}")
+    table = []
+    for i in range(n_tensors):
+        name = cur.string(f"tensor name #{i}")
+        n_dims = cur.scalar(4, f"the rank of {name}")
+        if n_dims > 8:
+            raise ModelLoadError(f"{path}: corrupt GGUF: tensor {name} claims {n_dims} dimensions (at most 8)")
+        dims = [cur.scalar(10, f"the shape of {name}") for _ in range(n_dims)]
+        table.append((name, tuple(reversed(dims)), cur.scalar(4, f"the type of {name}"), cur.scalar(10, name)))
+    alignment = meta.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ModelLoadError(f"{path}: corrupt GGUF: general.alignment is {alignment!r}, expected a positive int")
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = [_tensor(path, data_start, *entry) for entry in table]
+    needed = max((t.start + t.nbytes for t in tensors), default=0)
+    if needed > cur.size:
+        first = next(t for t in tensors if t.start + t.nbytes > cur.size)
+        raise ModelLoadError(
+            f"{path}: truncated GGUF: the file has {cur.size} bytes but its tensors need {needed} "
+            f"(tensor {first.name} needs bytes {first.start}..{first.start + first.nbytes})"
+        )
+    return meta, tensors
+
+
+def _tensor(path: str, data_start: int, name: str, shape: tuple[int, ...], type_id: int, offset: int) -> GGUFTensor:
+    try:
+        qtype = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise ModelLoadError(f"{path}: tensor {name} has unknown ggml type {type_id}") from None
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if shape and shape[-1] % block:
+        raise ModelLoadError(f"{path}: tensor {name}: row length {shape[-1]} is not a multiple of {qtype.name} "
+                             f"block size {block}")
+    return GGUFTensor(name, shape, qtype, data_start + offset, math.prod(shape) // block * type_size)
+
+
+def _to_torch(buf: Any, t: GGUFTensor) -> torch.Tensor:
+    block, type_size = GGML_QUANT_SIZES[t.qtype]
+    byte_shape = (*t.shape[:-1], t.shape[-1] // block * type_size) if t.shape else (type_size,)
+    raw = np.frombuffer(buf, np.uint8, t.nbytes, t.start).reshape(byte_shape)
+    try:
+        values = dequantize(raw, t.qtype)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"tensor {t.name}: ggml type {t.qtype.name} cannot be dequantized ({e})") from e
+    values = values.astype(np.float32, copy=not values.flags.writeable)
+    return torch.from_numpy(values.reshape(t.shape)).contiguous()
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row interleaving, giving Hugging Face's rotate_half layout."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor], tok: Tokenizer) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHES:
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; supported: {sorted(_ARCHES)}")
+
+    def num(key: str, default: Any = None, kind: type = int) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: metadata lacks {arch}.{key}, which every {arch} GGUF must state")
+        if isinstance(value, (bool, str, list)) or not value > 0:
+            raise ModelLoadError(f"{path}: metadata {arch}.{key} is {value!r}, expected a positive number")
+        return kind(value)
+
+    if "token_embd.weight" not in tensors or len(tensors["token_embd.weight"].shape) != 2:
+        raise ModelLoadError(f"{path}: no 2-D token_embd.weight tensor; a {arch} GGUF must have one")
+    hidden, heads = num("embedding_length"), num("attention.head_count")
+    kv_heads = num("attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise ModelLoadError(f"{path}: {heads} attention heads cannot share {kv_heads} kv heads evenly")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    return ModelConfig(
+        arch=_ARCHES[arch],
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=num("feed_forward_length"),
+        num_layers=num("block_count"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=num("attention.key_length", max(hidden // heads, 1)),
+        rope_theta=num("rope.freq_base", 10000.0, float),
+        rms_norm_eps=num("attention.layer_norm_rms_epsilon", kind=float),
+        max_position_embeddings=num("context_length", 4096),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        rope_scaling=None if scaling in (None, "none") else {
+            "rope_type": scaling,
+            "factor": num("rope.scaling.factor", 1.0, float),
+            "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length"),
+        },
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_ids(meta, tok),
+    )
+
+
+def _expected_shape(hf: str, cfg: ModelConfig) -> tuple[int, ...] | None:
+    """The Hugging Face shape a tensor of this name has in a model of this config; None if it has no place."""
+    h, q, kv, d = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+    top = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,), "lm_head.weight": (cfg.vocab_size, h)}
+    if hf in top:
+        return top[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    if int(layer) >= cfg.num_layers:
+        return None
+    return {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+        "mlp.gate_proj.weight": (cfg.intermediate_size, h), "mlp.up_proj.weight": (cfg.intermediate_size, h),
+        "mlp.down_proj.weight": (h, cfg.intermediate_size),
+    }.get(rest)
+
+
+def _check_tensors(path: str, cfg: ModelConfig, names: dict[str, GGUFTensor]) -> None:
+    """Every tensor is one this config expects, with the shape it expects, and none it needs is missing."""
+    for hf, t in names.items():
+        shape = _expected_shape(hf, cfg)
+        if shape is None:
+            raise ModelLoadError(f"{path}: tensor {t.name} does not belong to a {cfg.num_layers}-layer {cfg.arch} model")
+        if t.shape != shape:
+            raise ModelLoadError(f"{path}: tensor {t.name} has shape {list(t.shape)}, expected {list(shape)} "
+                                 f"from the file's metadata")
+    layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    if len(layers) != cfg.num_layers:
+        needed.append(f"model.layers.{min(set(range(len(layers) + 1)) - layers)}.*")
+    else:
+        needed += [f"model.layers.{i}.{r}" for i in range(cfg.num_layers) for r in _REQUIRED]
+    missing = [n for n in needed if n not in names]
+    if missing:
+        raise ModelLoadError(f"{path}: the file lacks tensors a {cfg.num_layers}-layer {cfg.arch} model needs, "
+                             f"e.g. {missing[:3]}")
+
+
+def _eos_ids(meta: dict[str, Any], tok: Tokenizer) -> list[int]:
+    """The eos id, llama.cpp's end-of-turn ids, and turn-end tokens the chat template writes."""
+    ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    template = tok.chat_template or ""
+    ids += [tok.token_to_id(t) for t in _TURN_END_TOKENS if t in template]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _open(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: no such file; expected a .gguf model file")
+    if os.path.getsize(path) == 0:
+        raise ModelLoadError(f"{path}: the file is empty; expected a GGUF model file")
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read the file ({e})") from e
+
+
+def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Load a GGUF model: its config, its weights (fp32, contiguous, HF Llama names and shapes), its tokenizer."""
+    path = os.fspath(path)
+    try:
+        return _load(path, _open(path))
+    except KVForgeError:
+        raise
+    except Exception as e:  # metadata of the wrong type, a tokenizer that will not build: still a bad file
+        raise ModelLoadError(f"{path}: corrupt or unsupported GGUF ({type(e).__name__}: {e})") from e
+
+
+def _load(path: str, buf: Any) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    meta, table = read_gguf_header(path, buf)
+    tensors = {t.name: t for t in table}
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    config = _config(path, meta, tensors, tokenizer)
+    unknown = [n for n in tensors if _hf_name(n) is None and n not in _IGNORED]
+    if unknown:
+        raise ModelLoadError(f"{path}: tensors {unknown[:5]} have no known Hugging Face name for {config.arch}")
+    named = {_hf_name(n): t for n, t in tensors.items() if n not in _IGNORED}
+    _check_tensors(path, config, named)
+    permuted = meta["general.architecture"] in _PERMUTED_QK
+    weights: dict[str, torch.Tensor] = {}
+    for hf, t in named.items():
+        w = _to_torch(buf, t)
+        if permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _unpermute(w, config.num_heads if "q_proj" in hf else config.num_kv_heads).contiguous()
+        weights[hf] = w
+    return config, weights, tokenizer
+
+
+def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Only the tokenizer of a GGUF file (reads the header, not the weights)."""
+    path = os.fspath(path)
+    try:
+        return Tokenizer.from_gguf_metadata(read_gguf_header(path, _open(path))[0])
+    except KVForgeError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{path}: corrupt or unsupported GGUF tokenizer ({type(e).__name__}: {e})") from e
