@@ -76,14 +76,16 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
     table, valid, q_index = meta.decode_layout(q.device)
     b, width = table.shape
     k, v = cache.gather(table.flatten())
-    kv_heads = k.shape[1]
-    k = k.view(b, width * meta.block_size, kv_heads, -1).transpose(1, 2)  # [B, kvh, L, d]
-    v = v.view(b, width * meta.block_size, kv_heads, -1).transpose(1, 2)
+    kv_heads, length = k.shape[1], width * meta.block_size
+    k, v = k.view(b, length, kv_heads, -1), v.view(b, length, kv_heads, -1)
     qd = q[q_index].view(b, kv_heads, -1, q.shape[-1])  # [B, kvh, group, d]
-    scores = torch.matmul(qd, k.transpose(-1, -2)) * scale
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v).reshape(b, -1, v.shape[-1])
+    mask = ~valid[:, None, :]
+    out = []
+    for h in range(kv_heads):  # strided per-head views: no copy of the gathered K/V
+        scores = torch.bmm(qd[:, h], k[:, :, h].transpose(1, 2)) * scale
+        probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
+        out.append(torch.bmm(probs, v[:, :, h]))
+    return torch.stack(out, 1).reshape(b, -1, v.shape[-1])
 
 
 def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:

@@ -16,6 +16,8 @@ class ModelRunner:
         self.sliding_window = sliding_window
         self.decode = decode
         self.forward_tokens = 0  # tokens pushed through the model, for FLOP accounting
+        self.sampled_tokens = 0
+        self.attended_keys = 0  # sum over query tokens of the keys each attended to
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         input_ids, positions, slots, ctx_lens, sample_rows = [], [], [], [], []
@@ -45,6 +47,7 @@ class ModelRunner:
         input_ids, meta, sample_rows = self.build_metadata(batch)
         hidden = self.model(input_ids, meta, self.kv.pool)
         self.forward_tokens += input_ids.shape[0]
+        self.attended_keys += sum(n * c - n * (n - 1) // 2 for n, c in zip(meta.query_lens, meta.context_lens))
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         sampled_seqs = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
@@ -52,6 +55,7 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows]).float()
         tokens = sample(logits, sampled_seqs)
+        self.sampled_tokens += len(tokens)
         for row, (seq, tok) in enumerate(zip(sampled_seqs, tokens)):
             if seq.params.logprobs is not None:
                 seq.logprobs.append(top_logprobs(logits[row], tok, seq.params.logprobs, self.decode))

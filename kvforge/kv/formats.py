@@ -17,8 +17,13 @@ class LayerKV(ABC):
     """One layer's physical block storage in some format."""
 
     @abstractmethod
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        """Store rows k[i] (and v[i]) of shape [T, heads, dim] at flat slot ids slots[i]."""
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+              positions: torch.Tensor | None = None) -> None:
+        """Store rows k[i] (and v[i]) of shape [T, heads, dim] at flat slot ids slots[i].
+
+        positions[i] is row i's token position in its sequence (formats with exact sinks need it).
+        Each slot appears at most once per call; a block written at offset 0 is treated as new.
+        """
 
     @abstractmethod
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -48,9 +53,17 @@ class KVFormat(ABC):
     def layer_block_bytes(self, spec: KVCacheSpec, block_size: int) -> int:
         """Bytes one block of one layer occupies (codes, scales and any side buffers)."""
 
+    def side_bytes(self, spec: KVCacheSpec, block_size: int, max_num_seqs: int = 1) -> int:
+        """Bytes one layer holds beyond its blocks (per-sequence staging/residual and sink buffers)."""
+        return 0
+
     @abstractmethod
-    def allocate(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device) -> LayerKV:
-        """Allocate one layer's storage for num_blocks blocks."""
+    def allocate(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device,
+                 max_num_seqs: int = 1) -> LayerKV:
+        """Allocate one layer's storage for num_blocks blocks (side buffers sized for max_num_seqs).
+
+        Exactly num_blocks * layer_block_bytes + side_bytes(max_num_seqs) bytes in tensors().
+        """
 
     def validate(self, spec: KVCacheSpec, block_size: int) -> None:
         """Raise ConfigError when this format cannot store `spec` with `block_size`."""
@@ -62,14 +75,14 @@ class PlainLayerKV(LayerKV):
         self.k = torch.zeros(*shape, spec.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(*shape, spec.v_head_dim, dtype=dtype, device=device) if spec.has_values else None
 
-    def write(self, slots, k, v):
+    def write(self, slots, k, v, positions=None):
         self.k.view(-1, *self.k.shape[2:])[slots] = k.to(self.k.dtype)
         if self.v is not None:
             self.v.view(-1, *self.v.shape[2:])[slots] = v.to(self.v.dtype)
 
     def gather(self, block_ids):
-        k = self.k[block_ids].flatten(0, 1).float()
-        v = self.v[block_ids].flatten(0, 1).float() if self.v is not None else None
+        k = self.k.index_select(0, block_ids).flatten(0, 1).float()
+        v = self.v.index_select(0, block_ids).flatten(0, 1).float() if self.v is not None else None
         return k, v
 
     def copy_blocks(self, src, dst):
@@ -86,7 +99,7 @@ class PlainFormat(KVFormat):
     def layer_block_bytes(self, spec, block_size):
         return block_size * spec.elements_per_token_per_layer * self.dtype.itemsize
 
-    def allocate(self, spec, num_blocks, block_size, device):
+    def allocate(self, spec, num_blocks, block_size, device, max_num_seqs=1):
         return PlainLayerKV(spec, num_blocks, block_size, self.dtype, device)
 
 
@@ -121,3 +134,7 @@ def get_format(name: str, **options) -> KVFormat:
         return cls(**options)
     except TypeError as e:
         raise ConfigError(f"kv_cache_dtype {name!r} does not take options {sorted(options)}: {e}") from None
+
+
+# Quantized formats register themselves on import (they subclass KVFormat, so this comes last).
+from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: E402,F401

@@ -1,0 +1,63 @@
+"""Memory: the same seeded workload under one KV budget with the paged and the contiguous layouts."""
+from __future__ import annotations
+
+import time
+
+from kvforge.bench.progress import Progress
+from kvforge.bench.workload import random_workload
+from kvforge.config import EngineConfig
+from kvforge.engine.engine import LLMEngine
+from kvforge.sampling_params import SamplingParams
+
+
+def run_layout(loaded, layout: str, workload, budget: int, max_model_len: int, max_num_seqs: int,
+               show_progress: bool = True) -> dict:
+    engine = LLMEngine(EngineConfig(kv_cache_memory=budget, kv_layout=layout, max_model_len=max_model_len,
+                                    max_num_seqs=max_num_seqs, enable_prefix_caching=False), loaded)
+    for r in workload:
+        engine.add_request(r.prompt_ids, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+    progress = Progress(f"{layout:>10}", sum(r.max_tokens for r in workload), show_progress)
+    kv, bs = engine.kv, engine.kv.block_size
+    live_sum = reserved_sum = 0
+    peak_seqs = steps = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        progress.update(len(engine.step()))
+        running = engine.scheduler.running
+        live_sum += sum(s.num_computed_tokens for s in running)
+        reserved_sum += kv.allocator.num_used * bs
+        peak_seqs = max(peak_seqs, len(running))
+        steps += 1
+    progress.close()
+    return {
+        "utilization": live_sum / reserved_sum if reserved_sum else 0.0,
+        "peak_concurrent_seqs": peak_seqs,
+        "seconds": time.perf_counter() - start,
+        "steps": steps,
+        "preemptions": engine.scheduler.num_preemptions,
+        "num_blocks": kv.num_blocks,
+        "budget_bytes": kv.num_blocks * kv.block_bytes,
+    }
+
+
+def memory_bench(loaded, num_requests: int = 64, prompt_len=(32, 512), output_len=(16, 256), budget: int | None = None,
+                 max_model_len: int = 2048, max_num_seqs: int = 64, seed: int = 0, show_progress: bool = True) -> dict:
+    """Utilisation is bytes holding live tokens / bytes reserved, averaged over every step."""
+    from kvforge.kv.formats import get_format
+    from kvforge.kv.memory import bytes_per_token
+    from kvforge.kv.spec import KVCacheSpec
+
+    spec = KVCacheSpec.from_model_config(loaded.config)
+    if budget is None:  # room for four contiguous sequences
+        budget = int(4 * max_model_len * bytes_per_token(spec, get_format("fp32"), 16))
+    workload = random_workload(num_requests, prompt_len, output_len, loaded.config.vocab_size, seed)
+    paged = run_layout(loaded, "paged", workload, budget, max_model_len, max_num_seqs, show_progress)
+    contiguous = run_layout(loaded, "contiguous", workload, budget, max_model_len, max_num_seqs, show_progress)
+    return {
+        "budget_bytes": budget,
+        "max_model_len": max_model_len,
+        "paged": paged,
+        "contiguous": contiguous,
+        "concurrency_ratio": paged["peak_concurrent_seqs"] / max(1, contiguous["peak_concurrent_seqs"]),
+        "speedup": contiguous["seconds"] / paged["seconds"],
+    }

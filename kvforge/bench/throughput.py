@@ -1,0 +1,87 @@
+"""Throughput: one seeded workload through kvforge (continuous batching) and transformers
+(static batches, left padding), same model, fp32, in one invocation."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvforge.bench.flops import engine_flops, measure_matmul_peak
+from kvforge.bench.progress import Progress
+from kvforge.bench.workload import Request, random_workload
+from kvforge.sampling_params import SamplingParams
+
+
+def run_kvforge(engine, workload: list[Request], show_progress: bool = True) -> dict:
+    progress = Progress("kvforge", sum(r.max_tokens for r in workload), show_progress)
+    for r in workload:
+        engine.add_request(r.prompt_ids, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+    flops0, start, outputs = engine_flops(engine), time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        got = len(engine.step())
+        outputs += got
+        progress.update(got)
+    elapsed = time.perf_counter() - start
+    progress.close()
+    return {"output_tokens": outputs, "seconds": elapsed, "output_tok_s": outputs / elapsed,
+            "flops": engine_flops(engine) - flops0}
+
+
+def load_hf_model(path: str):
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isdir(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    d, name = os.path.split(path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def run_hf(model, workload: list[Request], batch_size: int, pad_id: int, show_progress: bool = True) -> dict:
+    """transformers generate on static batches: every batch runs until its longest request is done."""
+    progress = Progress("transformers", sum(r.max_tokens for r in workload), show_progress)
+    start, counted = time.perf_counter(), 0
+    for i in range(0, len(workload), batch_size):
+        batch = workload[i: i + batch_size]
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.tensor([[pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
+        new = max(r.max_tokens for r in batch)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=pad_id)
+        counted += sum(r.max_tokens for r in batch)
+        progress.update(sum(r.max_tokens for r in batch))
+    elapsed = time.perf_counter() - start
+    progress.close()
+    return {"output_tokens": counted, "seconds": elapsed, "output_tok_s": counted / elapsed}
+
+
+def throughput_bench(engine, model_path: str, num_requests: int = 64, prompt_len=(32, 512), output_len=(16, 256),
+                     hf_batch_size: int | None = None, seed: int = 0, skip_hf: bool = False,
+                     show_progress: bool = True) -> dict:
+    peak = measure_matmul_peak(engine.device)
+    workload = random_workload(num_requests, prompt_len, output_len, engine.model_config.vocab_size, seed)
+    ours = run_kvforge(engine, workload, show_progress)
+    ours["roofline_fraction"] = ours["flops"] / ours["seconds"] / peak
+    result = {
+        "workload": {"num_requests": num_requests, "prompt_len": list(prompt_len), "output_len": list(output_len),
+                     "seed": seed, "prompt_tokens": sum(len(r.prompt_ids) for r in workload),
+                     "output_tokens": sum(r.max_tokens for r in workload)},
+        "matmul_peak_gflops": peak / 1e9,
+        "threads": torch.get_num_threads(),
+        "kvforge": ours,
+        "roofline_fraction": ours["roofline_fraction"],
+    }
+    if not skip_hf:
+        hf = run_hf(load_hf_model(model_path), workload, hf_batch_size or engine.config.max_num_seqs,
+                    _pad_id(engine), show_progress)
+        result["hf"] = hf
+        result["speedup"] = ours["output_tok_s"] / hf["output_tok_s"]
+    return result
+
+
+def _pad_id(engine) -> int:
+    eos = engine.model_config.eos_token_ids
+    return eos[0] if eos else 0

@@ -1,0 +1,88 @@
+"""kvforge bench: throughput | memory (and more as techniques land)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from kvforge.cli.common import add_engine_options, engine_kwargs, parse_size
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks against a baseline in the same run")
+    bsub = p.add_subparsers(dest="bench", required=True)
+
+    t = bsub.add_parser("throughput", help="kvforge vs transformers generate on one seeded workload")
+    _workload_options(t)
+    t.add_argument("--hf-batch-size", type=int, default=None, help="static batch size of the baseline (default: max-num-seqs)")
+    t.add_argument("--skip-hf", action="store_true", help="measure kvforge only")
+    add_engine_options(t)
+    t.set_defaults(func=run_throughput)
+
+    m = bsub.add_parser("memory", help="paged vs contiguous KV layout under one budget")
+    _workload_options(m)
+    m.add_argument("--budget", default=None, help="KV budget (default: four contiguous sequences)")
+    m.add_argument("--max-model-len", type=int, default=2048)
+    m.add_argument("--max-num-seqs", type=int, default=64)
+    m.add_argument("--model", default=None)
+    m.set_defaults(func=run_memory)
+
+
+def _workload_options(p) -> None:
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_throughput(args) -> int:
+    from kvforge.bench.throughput import throughput_bench
+    from kvforge.config import EngineConfig
+    from kvforge.engine.engine import LLMEngine
+
+    options = engine_kwargs(args)
+    if options["kv_cache_memory"] is None:
+        options["kv_cache_memory"] = 1 << 30
+    engine = LLMEngine(EngineConfig(**options))
+    result = throughput_bench(engine, engine.loaded.path, args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
+                              args.hf_batch_size, args.seed, args.skip_hf, not args.no_progress)
+    _emit(result, args.json, [
+        ("kvforge output tok/s", result["kvforge"]["output_tok_s"]),
+        ("transformers output tok/s", result.get("hf", {}).get("output_tok_s")),
+        ("speedup", result.get("speedup")),
+        ("roofline fraction", result["roofline_fraction"]),
+        ("matmul peak GFLOP/s", result["matmul_peak_gflops"]),
+    ])
+    return 0
+
+
+def run_memory(args) -> int:
+    from kvforge.bench.memory import memory_bench
+    from kvforge.models.loader import load_model
+
+    loaded = load_model(args.model)
+    budget = parse_size(args.budget) if args.budget else None
+    result = memory_bench(loaded, args.num_requests, tuple(args.prompt_len), tuple(args.output_len), budget,
+                          args.max_model_len, args.max_num_seqs, args.seed, not args.no_progress)
+    _emit(result, args.json, [
+        ("paged utilization", result["paged"]["utilization"]),
+        ("contiguous utilization", result["contiguous"]["utilization"]),
+        ("paged peak concurrent seqs", result["paged"]["peak_concurrent_seqs"]),
+        ("contiguous peak concurrent seqs", result["contiguous"]["peak_concurrent_seqs"]),
+        ("concurrency ratio", result["concurrency_ratio"]),
+        ("completion time paged / contiguous (s)", f'{result["paged"]["seconds"]:.1f} / {result["contiguous"]["seconds"]:.1f}'),
+    ])
+    return 0
+
+
+def _emit(result: dict, as_json: bool, rows: list[tuple[str, object]]) -> None:
+    if as_json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+        return
+    for name, value in rows:
+        if value is None:
+            continue
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        print(f"{name:<42} {shown}")
