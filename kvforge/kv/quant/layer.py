@@ -1,0 +1,178 @@
+"""QuantLayerKV: one layer's quantized blocks, an fp16 staging area for recent blocks, and exact sinks.
+
+Staging (used when a codec needs a whole block, e.g. per-channel keys, or a residual window is on):
+a block written at offset 0 is new; it claims a staging entry and its rows stay fp16 there.
+When entries run out the oldest full block (then the oldest partial one) is flushed: encoded into
+its codes. Rows of a block without an entry are merged by decode -> insert rows -> encode.
+Sinks: rows with position < sinks are also copied into an fp16 sink entry of their block (claimed
+when position 0 is written); they override the decoded rows and are left out of the block's
+quantization ranges. A block written at offset 0 drops its old entries.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvforge.kv.formats import LayerKV
+from kvforge.kv.quant.codec import Codec
+from kvforge.kv.quant.sidetable import SideTable
+from kvforge.kv.spec import KVCacheSpec
+
+EXACT_DTYPE = torch.float16
+PARTIAL_BIAS = 1 << 48
+
+
+class QuantLayerKV(LayerKV):
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, codecs: tuple[Codec, Codec | None],
+                 stage_entries: int, sinks: int, sink_entries: int, device: torch.device):
+        self.bs, self.sinks = block_size, sinks
+        self.codecs = codecs
+        dims = (spec.head_dim, spec.v_head_dim)
+        self.shapes = [(spec.num_kv_heads, d) for d in dims if d > 0]
+        self.parts = [[torch.zeros(num_blocks, *shape, dtype=dtype, device=device)
+                       for shape, dtype in c.layout(block_size, *hd)] for c, hd in zip(codecs, self.shapes)]
+        self.stage = SideTable(num_blocks, stage_entries, device) if stage_entries else None
+        self.stage_rows = [torch.zeros(stage_entries, block_size, *hd, dtype=EXACT_DTYPE, device=device)
+                           for hd in self.shapes] if stage_entries else []
+        self.stage_full = torch.zeros(stage_entries, dtype=torch.bool, device=device) if stage_entries else None
+        self.sink = SideTable(num_blocks, sink_entries, device) if sinks else None
+        self.sink_rows = [torch.zeros(sink_entries, sinks, *hd, dtype=EXACT_DTYPE, device=device)
+                          for hd in self.shapes] if sinks else []
+        self.direct = self.stage is None and all(c.per_token for c in codecs if c is not None)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [t for ps in self.parts for t in ps] + self.stage_rows + self.sink_rows
+        if self.stage is not None:
+            out += self.stage.tensors() + [self.stage_full]
+        if self.sink is not None:
+            out += self.sink.tensors()
+        return out
+
+    # ---- write ------------------------------------------------------------------------------
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+              positions: torch.Tensor | None = None) -> None:
+        slots = slots.long()
+        rows = [k.float()] + ([v.float()] if self.shapes[1:] else [])
+        blocks, offs = slots // self.bs, slots % self.bs
+        new = blocks[offs == 0]
+        if self.sink is not None:
+            self.sink.release(new)
+            if positions is not None:
+                self._store_sinks(blocks, offs, positions.long().to(slots.device), rows)
+        self._store(blocks, offs, rows, new)
+
+    def _store(self, blocks: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor], new: torch.Tensor) -> None:
+        if self.direct:
+            for c, ps, x in zip(self.codecs, self.parts, rows):
+                for p, e in zip(ps, c.encode(x.unsqueeze(0))):
+                    p.view(-1, *p.shape[2:])[blocks * self.bs + offs] = e[0]
+            return
+        if self.stage is not None:
+            self.stage.release(new)
+            claim = self.stage.claim(new, (~self.stage_full).long() * PARTIAL_BIAS)
+            self._flush(claim.victim_blocks, claim.victim_entries)
+            self.stage_full[claim.entries] = False
+            for s in self.stage_rows:
+                s[claim.entries] = 0
+            e = self.stage.lookup(blocks)
+            staged = e >= 0
+            for s, x in zip(self.stage_rows, rows):
+                s[e[staged], offs[staged]] = x[staged].to(EXACT_DTYPE)
+            self.stage_full[e[staged & (offs == self.bs - 1)]] = True
+            rest = ~staged
+            blocks, offs, rows = blocks[rest], offs[rest], [x[rest] for x in rows]
+        if len(blocks):
+            self._merge(blocks, offs, rows, new)
+
+    def _merge(self, blocks: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor], new: torch.Tensor) -> None:
+        """Rows into blocks that live only as codes: decode, insert, re-encode (new blocks start at zero)."""
+        ub, inv = torch.unique(blocks, return_inverse=True)
+        fresh = torch.isin(ub, new)
+        full = [c.decode([p[ub] for p in ps]) for c, ps in zip(self.codecs, self.parts)]
+        for x, r in zip(full, rows):
+            x[fresh] = 0
+            x[inv, offs] = r
+        self._encode_into(ub, full)
+
+    def _flush(self, blocks: torch.Tensor, entries: torch.Tensor) -> None:
+        if len(blocks):
+            self._encode_into(blocks, [s[entries].float() for s in self.stage_rows])
+
+    def _encode_into(self, blocks: torch.Tensor, full: list[torch.Tensor]) -> None:
+        if self.sink is not None:
+            has = self.sink.lookup(blocks) >= 0
+            for x in full:
+                x[has, : self.sinks] = x[has, self.sinks : self.sinks + 1]
+        for c, ps, x in zip(self.codecs, self.parts, full):
+            for p, e in zip(ps, c.encode(x)):
+                p[blocks] = e
+
+    def _store_sinks(self, blocks: torch.Tensor, offs: torch.Tensor, positions: torch.Tensor,
+                     rows: list[torch.Tensor]) -> None:
+        firsts = blocks[(positions == 0) & (offs == 0)]
+        if len(firsts):
+            claim = self.sink.claim(firsts)
+            self._unsink(claim.victim_blocks, [s[claim.victim_entries] for s in self.sink_rows])
+        e = self.sink.lookup(blocks)
+        keep = (positions < self.sinks) & (offs < self.sinks) & (e >= 0)
+        for s, x in zip(self.sink_rows, rows):
+            s[e[keep], offs[keep]] = x[keep].to(EXACT_DTYPE)
+
+    def _unsink(self, blocks: torch.Tensor, exact: list[torch.Tensor]) -> None:
+        """Blocks that lost their sink entry get those rows back into their ordinary storage."""
+        if len(blocks):
+            b = blocks.repeat_interleave(self.sinks)
+            o = torch.arange(self.sinks, device=b.device).repeat(len(blocks))
+            self._store(b, o, [x.flatten(0, 1).float() for x in exact], b[:0])
+
+    # ---- read -------------------------------------------------------------------------------
+    def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bids = block_ids.long()
+        out = [c.decode([p[bids] for p in ps]) for c, ps in zip(self.codecs, self.parts)]
+        for table, exact, n in ((self.stage, self.stage_rows, self.bs), (self.sink, self.sink_rows, self.sinks)):
+            if table is None:
+                continue
+            e = table.lookup(bids)
+            hit = e >= 0
+            if bool(hit.any()):
+                for x, s in zip(out, exact):
+                    x[hit, :n] = s[e[hit]].float()
+        out = [x.flatten(0, 1) for x in out]
+        return out[0], (out[1] if len(out) > 1 else None)
+
+    # ---- copy-on-write ----------------------------------------------------------------------
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        device = self.parts[0][0].device
+        src_t = torch.as_tensor(src, dtype=torch.long, device=device)
+        dst_t = torch.as_tensor(dst, dtype=torch.long, device=device)
+        for ps in self.parts:
+            for p in ps:
+                p[dst_t] = p[src_t]
+        if self.sink is not None:
+            self._copy_entries(self.sink, self.sink_rows, None, src_t, dst_t)
+        if self.stage is not None:
+            self._copy_entries(self.stage, self.stage_rows, self.stage_full, src_t, dst_t)
+
+    def _copy_entries(self, table: SideTable, exact: list[torch.Tensor], full: torch.Tensor | None,
+                      src: torch.Tensor, dst: torch.Tensor) -> None:
+        table.release(dst)
+        e = table.lookup(src)
+        has = e >= 0
+        if not bool(has.any()):
+            return
+        content = [s[e[has]].clone() for s in exact]
+        was_full = full[e[has]].clone() if full is not None else None
+        dst = dst[has]
+        claim = table.claim(dst, (~full).long() * PARTIAL_BIAS if full is not None else None)
+        if full is not None:
+            self._flush(claim.victim_blocks, claim.victim_entries)
+        else:
+            self._unsink(claim.victim_blocks, [s[claim.victim_entries] for s in exact])
+        for s, c in zip(exact, content):
+            s[claim.entries] = c[claim.taken]
+        lost = ~claim.taken
+        if full is not None:
+            full[claim.entries] = was_full[claim.taken]
+            if bool(lost.any()):
+                self._encode_into(dst[lost], [c[lost].float() for c in content])
+        elif bool(lost.any()):
+            self._unsink(dst[lost], [c[lost] for c in content])

@@ -1,0 +1,34 @@
+"""Symmetric per-token, per-head scaling into a narrow dtype (int8 or float8)."""
+from __future__ import annotations
+
+import torch
+
+from kvforge.kv.quant.codec import Codec, Layout
+
+SCALE_DTYPE = torch.float16
+MIN_SCALE = 1e-7
+
+
+class ScaledCodec(Codec):
+    """x ~= code * scale, with scale = max|x| / qmax over one head's row (stored as fp16)."""
+
+    per_token = True
+
+    def __init__(self, code_dtype: torch.dtype):
+        self.code_dtype = code_dtype
+        self.is_int = not code_dtype.is_floating_point
+        self.qmax = 127.0 if self.is_int else float(torch.finfo(code_dtype).max)
+
+    def layout(self, block_size: int, heads: int, dim: int) -> Layout:
+        return [((block_size, heads, dim), self.code_dtype), ((block_size, heads), SCALE_DTYPE)]
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        x = x.float()
+        scale = (x.abs().amax(-1) / self.qmax).clamp_min(MIN_SCALE).to(SCALE_DTYPE)
+        y = (x / scale.float().unsqueeze(-1)).clamp(-self.qmax, self.qmax)
+        codes = y.round().to(self.code_dtype) if self.is_int else y.to(self.code_dtype)
+        return [codes, scale]
+
+    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        codes, scale = parts
+        return codes.to(torch.float32).mul_(scale.unsqueeze(-1))

@@ -1,0 +1,110 @@
+"""Asymmetric uniform b-bit quantization in groups, per token (along dim) or per channel (along a block's tokens).
+
+x ~= zero + code * scale with zero = min and scale = (max - min) / (2**bits - 1) over each group;
+codes are bit-packed, scale and zero are fp16. Optional dense-and-sparse outliers (KVQuant,
+Hooper et al. 2024): per block the `outlier_frac` values farthest from their group mean are kept
+in fp16 (with their flat index) and excluded from the group's range.
+With `param_bits=8` (channel axis only) the per-channel min and max are themselves stored as uint8
+codes (min rounded down, max up) on a per-block, per-head fp16 grid (double quantization, as QLoRA
+does for its scales): 2 bytes per channel instead of 4.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvforge.kv.quant.codec import Codec, Layout
+from kvforge.kv.quant.packing import pack, unpack
+
+PARAM_DTYPE = torch.float16
+MIN_SCALE = 1e-6
+
+
+class UniformCodec(Codec):
+    def __init__(self, bits: int, axis: str, group_size: int = 32, outlier_frac: float = 0.0, param_bits: int = 16):
+        self.bits, self.axis, self.group_size, self.outlier_frac = bits, axis, group_size, outlier_frac
+        self.param_bits = param_bits
+        self.levels = (1 << bits) - 1
+        self.per_token = axis == "token" and outlier_frac == 0.0
+
+    def num_outliers(self, block_size: int, heads: int, dim: int) -> int:
+        return math.ceil(self.outlier_frac * block_size * heads * dim) if self.outlier_frac > 0 else 0
+
+    def layout(self, block_size: int, heads: int, dim: int) -> Layout:
+        codes = ((block_size, heads, dim * self.bits // 8), torch.uint8)
+        if self.axis == "token":
+            param = (block_size, heads, dim // self.group_size)
+        else:
+            param = (heads, dim)
+        if self.param_bits == 8:
+            parts = [codes, (param, torch.uint8), (param, torch.uint8), ((heads,), PARAM_DTYPE), ((heads,), PARAM_DTYPE)]
+        else:
+            parts = [codes, (param, PARAM_DTYPE), (param, PARAM_DTYPE)]
+        n_out = self.num_outliers(block_size, heads, dim)
+        if n_out:
+            index_dtype = torch.int16 if block_size * heads * dim <= 2**15 else torch.int32
+            parts += [((n_out,), index_dtype), ((n_out,), PARAM_DTYPE)]
+        return parts
+
+    def _groups(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A view whose axis `red` runs over one group's members."""
+        if self.axis == "token":
+            return x.unflatten(-1, (x.shape[-1] // self.group_size, self.group_size)), -1
+        return x, 1
+
+    def _outliers(self, x: torch.Tensor, n_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g, red = self._groups(x)
+        score = (g - g.mean(red, keepdim=True)).abs().reshape(x.shape[0], -1)
+        index = score.topk(n_out, dim=1).indices
+        mask = torch.zeros_like(score, dtype=torch.bool).scatter_(1, index, True).view(x.shape)
+        return index, mask
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        x = x.float()
+        n_out = self.num_outliers(*x.shape[1:])
+        index, mask = self._outliers(x, n_out) if n_out else (None, None)
+        lo_src = x if mask is None else x.masked_fill(mask, float("inf"))
+        hi_src = x if mask is None else x.masked_fill(mask, float("-inf"))
+        lo_g, red = self._groups(lo_src)
+        lo = lo_g.amin(red, keepdim=True)
+        hi = self._groups(hi_src)[0].amax(red, keepdim=True)
+        lo, hi = lo.nan_to_num(0.0, 0.0, 0.0), hi.nan_to_num(0.0, 0.0, 0.0)
+        if self.param_bits == 8:
+            low = lo.amin(-1, keepdim=True)
+            base = (low - low.abs() * 2e-3 - MIN_SCALE).to(PARAM_DTYPE)  # fp16 rounding stays below min
+            step = ((hi.amax(-1, keepdim=True) - base.float()) / 250).clamp_min(MIN_SCALE).to(PARAM_DTYPE)
+            lo_c = ((lo - base.float()) / step.float()).floor_().clamp_(0, 255)
+            hi_c = ((hi - base.float()) / step.float()).ceil_().clamp_(0, 255)
+            params = [lo_c.to(torch.uint8).squeeze(red), hi_c.to(torch.uint8).squeeze(red),
+                      base.flatten(1), step.flatten(1)]
+        else:
+            params = [((hi - lo.to(PARAM_DTYPE).float()) / self.levels).clamp_min(MIN_SCALE).to(PARAM_DTYPE).squeeze(red),
+                      lo.to(PARAM_DTYPE).squeeze(red)]
+        scale, zero = self._scale_zero(params)
+        g = self._groups(x)[0]
+        q = ((g - zero.unsqueeze(red)) / scale.unsqueeze(red)).round_().clamp_(0, self.levels).view(x.shape)
+        parts = [pack(q, self.bits)] + params
+        if n_out:
+            values = x.reshape(x.shape[0], -1).gather(1, index)
+            parts += [index.to(self.layout(*x.shape[1:])[-2][1]), values.to(PARAM_DTYPE)]
+        return parts
+
+    def _scale_zero(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 scale and zero per group from the stored parameter parts."""
+        if self.param_bits != 8:
+            return params[0].float(), params[1].float()
+        base, step = params[2].float()[..., None], params[3].float()[..., None]
+        lo = base + params[0].float() * step
+        hi = base + params[1].float() * step
+        return ((hi - lo) / self.levels).clamp_min(MIN_SCALE), lo
+
+    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        q = unpack(parts[0], self.bits).float()
+        n_params = 4 if self.param_bits == 8 else 2
+        scale, zero = self._scale_zero(parts[1:1 + n_params])
+        g, red = self._groups(q)
+        x = (g * scale.unsqueeze(red) + zero.unsqueeze(red)).view(q.shape)
+        if len(parts) > 1 + n_params:
+            x.view(x.shape[0], -1).scatter_(1, parts[-2].long(), parts[-1].float())
+        return x
