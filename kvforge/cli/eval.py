@@ -1,0 +1,57 @@
+"""kvforge eval: quality of KV techniques on real text (perplexity; more evals register here)."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="measure quality of KV techniques on real text")
+    esub = p.add_subparsers(dest="eval", required=True)
+    ppl = esub.add_parser("ppl", help="decode-faithful perplexity vs the fp32 full cache, in one run")
+    ppl.add_argument("--model", default=None)
+    ppl.add_argument("--kv-dtype", default="fp32")
+    ppl.add_argument("--kv-options", default=None, help='format options as JSON, e.g. \'{"group_size": 32}\'')
+    ppl.add_argument("--text", default="hamlet", help="hamlet, macbeth, hamlet+macbeth, gpl-3, ...")
+    ppl.add_argument("--text-file", default=None)
+    ppl.add_argument("--max-tokens", type=int, default=4096)
+    ppl.add_argument("--chunk-size", type=int, default=128)
+    ppl.add_argument("--agreement-prompts", type=int, default=12, help="greedy agreement prompts (0 = skip)")
+    ppl.add_argument("--json", action="store_true")
+    ppl.set_defaults(func=run_ppl)
+
+
+def parse_options(text: str | None) -> dict:
+    from kvforge.errors import ConfigError
+
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--kv-options must be a JSON object, e.g. '{{\"group_size\": 32}}': {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError("--kv-options must be a JSON object")
+    return value
+
+
+def run_ppl(args) -> int:
+    from kvforge.eval.ppl import ppl_eval
+    from kvforge.eval.texts import load_text
+    from kvforge.models.loader import load_model
+
+    text = load_text(args.text, args.text_file)
+    loaded = load_model(args.model)
+    r = ppl_eval(loaded, text, args.max_tokens, args.chunk_size, args.agreement_prompts,
+                 kv_cache_dtype=args.kv_dtype, kv_cache_options=parse_options(args.kv_options))
+    if args.json:
+        json.dump(r, sys.stdout, indent=2)
+        print()
+    else:
+        print(f"text: {args.text_file or args.text}, {r['tokens']} tokens, chunks of {r['chunk_size']}")
+        print(f"fp32 cache   ppl {r['ppl_baseline']:.4f}   {r['kv_bytes_per_token_baseline']:.0f} B/token")
+        print(f"{args.kv_dtype:<12} ppl {r['ppl']:.4f}   {r['kv_bytes_per_token']:.0f} B/token   delta {r['delta_pct']:+.2f}%")
+        if "greedy" in r:
+            g = r["greedy"]
+            print(f"greedy agreement: {g['token_agreement']:.3f} of tokens, {g['identical_outputs']}/{g['prompts']} outputs identical")
+    return 0
