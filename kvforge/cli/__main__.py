@@ -1,0 +1,5 @@
+import sys
+
+from kvforge.cli import main
+
+sys.exit(main())
