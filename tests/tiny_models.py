@@ -22,7 +22,40 @@ def hf_config(kind: str):
         return tf.Qwen2Config(**TINY, num_key_value_heads=2)
     if kind == "qwen3":
         return tf.Qwen3Config(**TINY, num_key_value_heads=2, head_dim=32)
+    if kind.startswith("deepseek"):
+        return _deepseek_config(kind)
     raise ValueError(kind)
+
+
+MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4,
+       "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+       "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "initializer_range": 0.1}
+
+
+def _deepseek_config(kind: str):
+    """V2: plain q_proj, group-limited greedy softmax routing. V3: q LoRA, noaux_tc sigmoid routing."""
+    import transformers as tf
+
+    if kind == "deepseek-v2":
+        return tf.DeepseekV2Config(**TINY, **MLA, q_lora_rank=None, topk_method="group_limited_greedy",
+                                   routed_scaling_factor=1.5)
+    if kind == "deepseek-v3":
+        return tf.DeepseekV3Config(**TINY, **MLA, q_lora_rank=32, routed_scaling_factor=2.5)
+    if kind == "deepseek-v3-yarn":
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                "mscale": 0.7, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+        return tf.DeepseekV3Config(**{**TINY, "rope_theta": None}, **MLA, q_lora_rank=32, rope_interleave=False,
+                                   rope_parameters=rope, norm_topk_prob=False)
+    raise ValueError(kind)
+
+
+def _spread_router(model) -> None:
+    """Give the MoE routers decisive scores (and V3 a non-zero correction bias), so routing is no coin toss."""
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            torch.nn.init.normal_(module.weight, std=1.0)
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.copy_(torch.randn_like(module.e_score_correction_bias) * 0.1)
 
 
 def write_tiny_model(kind: str, directory, seed: int = 0):
@@ -31,5 +64,8 @@ def write_tiny_model(kind: str, directory, seed: int = 0):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(kind), torch_dtype=torch.float32).eval()
+    if kind.startswith("deepseek"):
+        with torch.no_grad():
+            _spread_router(model)
     model.save_pretrained(directory, safe_serialization=True)
     return model

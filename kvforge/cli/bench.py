@@ -26,6 +26,23 @@ def register(sub) -> None:
     m.add_argument("--model", default=None)
     m.set_defaults(func=run_memory)
 
+    x = bsub.add_parser("prefix", help="shared system prompt and multi-turn chats, prefix caching off vs on")
+    x.add_argument("--num-requests", type=int, default=100)
+    x.add_argument("--system-len", type=int, default=2000)
+    x.add_argument("--question-len", type=int, nargs=2, default=[50, 200], metavar=("MIN", "MAX"))
+    x.add_argument("--max-tokens", type=int, default=32)
+    x.add_argument("--budget", default="4GiB")
+    x.add_argument("--conversations", type=int, default=20)
+    x.add_argument("--turns", type=int, default=5)
+    x.add_argument("--seed", type=int, default=0)
+    x.add_argument("--model", default=None)
+    x.add_argument("--json", action="store_true")
+    x.add_argument("--no-progress", action="store_true")
+    x.set_defaults(func=run_prefix)
+
+    from kvforge.bench.serve import register_serve
+    register_serve(bsub)
+
 
 def _workload_options(p) -> None:
     p.add_argument("--num-requests", type=int, default=64)
@@ -72,6 +89,26 @@ def run_memory(args) -> int:
         ("contiguous peak concurrent seqs", result["contiguous"]["peak_concurrent_seqs"]),
         ("concurrency ratio", result["concurrency_ratio"]),
         ("completion time paged / contiguous (s)", f'{result["paged"]["seconds"]:.1f} / {result["contiguous"]["seconds"]:.1f}'),
+    ])
+    return 0
+
+
+def run_prefix(args) -> int:
+    from kvforge.bench.prefix import prefix_bench
+    from kvforge.models.loader import load_model
+
+    r = prefix_bench(load_model(args.model), args.num_requests, args.system_len, tuple(args.question_len), args.max_tokens,
+                     parse_size(args.budget), args.conversations, args.turns, args.seed, not args.no_progress)
+    _emit(r, args.json, [
+        ("mean TTFT off / on (s)", f'{r["off"]["ttft_mean_s"]:.2f} / {r["on"]["ttft_mean_s"]:.2f}'),
+        ("p50 TTFT off / on (s)", f'{r["off"]["ttft_p50_s"]:.2f} / {r["on"]["ttft_p50_s"]:.2f}'),
+        ("p99 TTFT off / on (s)", f'{r["off"]["ttft_p99_s"]:.2f} / {r["on"]["ttft_p99_s"]:.2f}'),
+        ("total time off / on (s)", f'{r["off"]["total_s"]:.1f} / {r["on"]["total_s"]:.1f}'),
+        ("ttft_reduction", r["ttft_reduction"]),
+        ("reuse_rate", r["reuse_rate"]),
+        ("peak KV bytes off / on", f'{r["off"]["peak_kv_bytes"]} / {r["on"]["peak_kv_bytes"]}'),
+        ("peak_kv_reduction", r["peak_kv_reduction"]),
+        ("multiturn.reuse_rate", r["multiturn"]["reuse_rate"]),
     ])
     return 0
 

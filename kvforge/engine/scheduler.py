@@ -65,9 +65,14 @@ class Scheduler:
         return batch
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        computing: set = set()  # first blocks that sequences admitted this step are computing right now
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.kv.match_prefix(seq)
+            head = self.kv.uncached_head(seq)
+            if head is not None and head in computing:
+                break  # it would recompute a prefix another request is computing now: admit it next step
+            computing.add(head)
             n = self._num_new_tokens(seq, budget)
             if n == 0 or not self.kv.allocate_slots(seq, n):
                 self.kv.free(seq)

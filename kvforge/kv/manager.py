@@ -54,12 +54,21 @@ class KVCacheManager:
             seq.num_computed_tokens = match.num_tokens
             seq.metrics.cached_tokens = max(seq.metrics.cached_tokens, match.num_tokens)
 
+    def uncached_head(self, seq: Sequence) -> tuple | None:
+        """Key of the first block seq must still compute, when that block could be shared (else None)."""
+        if self.prefix_tree is None:
+            return None
+        start, bs = seq.num_computed_tokens, self.block_size
+        if seq.num_tokens - start <= bs:
+            return None
+        return seq.cache_salt, start, tuple(seq.token_ids[start: start + bs]), tuple(seq.token_ids[:start][-bs:])
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more tokens of seq; False when the cache is full."""
         if self.layout == "contiguous" and not seq.block_table:
             need = blocks_for_tokens(self.max_model_len, self.block_size)
         else:
-            need = blocks_for_tokens(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+            need = blocks_for_tokens(seq.cache_len + num_new_tokens, self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
         if not self.allocator.can_allocate(need) and self.prefix_tree is not None:
@@ -95,6 +104,7 @@ class KVCacheManager:
         self.allocator.decref(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_evicted, seq.policy_state = 0, None
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs, table = self.block_size, seq.block_table

@@ -72,7 +72,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module
     """Instantiate the model for cfg and load weights (Hugging Face names), strictly."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
+    weights = {k: v for k, v in weights.items() if "rotary_emb" not in k and not _extra_layer(k, cfg)}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
@@ -88,3 +88,9 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_buffers()
     return model
+
+
+def _extra_layer(name: str, cfg: ModelConfig) -> bool:
+    """DeepSeek-V3 checkpoints append multi-token-prediction layers past num_layers; inference skips them."""
+    parts = name.split(".")
+    return cfg.arch.startswith("deepseek") and len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= cfg.num_layers
