@@ -78,6 +78,7 @@ class Scheduler:
                 self.kv.free(seq)
                 break
             self.waiting.popleft()
+            self.kv.record_admission(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

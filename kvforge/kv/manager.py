@@ -27,6 +27,7 @@ class KVCacheManager:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.peak_blocks_used = 0
+        self.prefix_short_prompts = 0  # prompts of at most one block: nothing of them can ever be cached
 
     @property
     def num_blocks(self) -> int:
@@ -44,8 +45,6 @@ class KVCacheManager:
             return
         usable = (seq.num_tokens - 1) // self.block_size * self.block_size
         match = self.prefix_tree.match_prefix(seq.token_ids[:usable], salt=seq.cache_salt)
-        self.prefix_queried_tokens += seq.num_tokens
-        self.prefix_hit_tokens += match.num_tokens
         if match.num_tokens:
             self.prefix_tree.lock(match.node)
             seq.prefix_node = match.node
@@ -53,6 +52,15 @@ class KVCacheManager:
             seq.block_table = list(match.block_ids)
             seq.num_computed_tokens = match.num_tokens
             seq.metrics.cached_tokens = max(seq.metrics.cached_tokens, match.num_tokens)
+
+    def record_admission(self, seq: Sequence) -> None:
+        """Count the prefix-cache lookup of a sequence that was admitted (hits are its computed tokens)."""
+        if self.prefix_tree is None:
+            return
+        self.prefix_queried_tokens += seq.num_tokens
+        self.prefix_hit_tokens += seq.num_computed_tokens
+        if seq.num_tokens <= self.block_size:
+            self.prefix_short_prompts += 1
 
     def uncached_head(self, seq: Sequence) -> tuple | None:
         """Key of the first block seq must still compute, when that block could be shared (else None)."""
@@ -134,4 +142,6 @@ class KVCacheManager:
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_hit_rate": self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0,
             "prefix_evicted_blocks": self.prefix_tree.evicted_blocks if self.prefix_tree is not None else 0,
+            "prefix_cache_granularity_tokens": self.block_size,
+            "prefix_short_prompts": self.prefix_short_prompts,
         }
