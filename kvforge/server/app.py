@@ -1,0 +1,197 @@
+"""The OpenAI-compatible FastAPI app around one LLMEngine."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from kvforge.engine.engine import LLMEngine
+from kvforge.errors import InvalidRequestError
+from kvforge.server import serving
+from kvforge.server.engine_loop import EngineLoop
+from kvforge.server.errors import APIError, bad_request, model_not_found, server_error, unauthorized
+from kvforge.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Message,
+    TokenizeRequest,
+    parse_body,
+)
+
+MAX_SUBMISSIONS = 64  # prompts x n in one request
+
+
+@dataclass
+class ServerConfig:
+    api_keys: list[str] = field(default_factory=list)
+    share_prefix_cache_across_keys: bool = False
+    max_waiting: int | None = 512
+    served_model_name: str | None = None
+
+
+def key_salt(key: str) -> str:
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    loop = EngineLoop(engine, config.max_waiting)
+    name = config.served_model_name or _model_name(engine)
+    tokenizer = engine.tokenizer
+    keys = [k.encode() for k in config.api_keys]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        yield
+        loop.stop()
+
+    app = FastAPI(title="kvforge", lifespan=lifespan)
+    app.state.engine_loop = loop
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        return server_error(f"internal error: {type(e).__name__}: {e}").response()
+
+    def authorize(request: Request) -> str | None:
+        """Checks the API key; returns the tenant's cache salt (None when keys are off or shared)."""
+        if not keys:
+            return None
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip().encode() if header[:7].lower() == "bearer " else b""
+        if not any(hmac.compare_digest(token, k) for k in keys):
+            raise unauthorized()
+        return None if config.share_prefix_cache_across_keys else key_salt(token.decode())
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != name:
+            raise model_not_found(model, [name])
+
+    def salt(key: str | None, user: str | None) -> str | None:
+        return ":".join(s for s in (key, user) if s) or None
+
+    def text_ids(text: str, param: str) -> list[int]:
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer; send token ids instead of text", param)
+        if not text:
+            raise bad_request(f"{param} is empty; give at least one character or token id", param)
+        return tokenizer.encode(text)
+
+    def token_ids(ids: list[int], param: str) -> list[int]:
+        vocab = engine.model_config.vocab_size
+        if not ids:
+            raise bad_request(f"{param} is empty; give at least one token id", param)
+        if not all(0 <= t < vocab for t in ids):
+            raise bad_request(f"{param}: token ids must be integers in [0, {vocab})", param)
+        return ids
+
+    def chat_ids(messages: list[Message]) -> list[int]:
+        if not messages:
+            raise bad_request("messages must be a non-empty list of {'role': ..., 'content': ...} objects", "messages")
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer, so it cannot render chat messages", "messages")
+        try:
+            text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
+        except InvalidRequestError as e:
+            raise bad_request(str(e), "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def completion_prompts(prompt) -> list[list[int]]:
+        items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        return [text_ids(p, "prompt") if isinstance(p, str) else token_ids(p, "prompt") for p in items]
+
+    async def run(request: Request, req, prompts: list[list[int]], kind: str, key: str | None) -> Response:
+        if len(prompts) * req.n > MAX_SUBMISSIONS:
+            raise bad_request(f"{len(prompts)} prompts x n={req.n} is more than {MAX_SUBMISSIONS} sequences", "n")
+        prepared = serving.prepare(req, prompts, engine, salt(key, req.cache_salt), kind, name)
+        group = await serving.submit(loop, prepared)
+        if req.stream:
+            return StreamingResponse(serving.stream(loop, group, prepared, tokenizer), media_type="text/event-stream")
+        body = await serving.collect(loop, group, prepared, request.is_disconnected)
+        return JSONResponse(body) if body is not None else Response(status_code=499)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        key = authorize(request)
+        req = parse_body(await request.body(), CompletionRequest)
+        check_model(req.model)
+        return await run(request, req, completion_prompts(req.prompt), "completion", key)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        key = authorize(request)
+        req = parse_body(await request.body(), ChatRequest)
+        check_model(req.model)
+        return await run(request, req, [chat_ids(req.messages)], "chat", key)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        authorize(request)
+        card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvforge",
+                "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not loop.alive:
+            return server_error("the engine loop is not running").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        authorize(request)
+        req = parse_body(await request.body(), TokenizeRequest)
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            ids = chat_ids(req.messages)
+        elif tokenizer is None:
+            raise bad_request("this model has no tokenizer", "prompt")
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        authorize(request)
+        req = parse_body(await request.body(), DetokenizeRequest)
+        check_model(req.model)
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer", "tokens")
+        return {"prompt": tokenizer.decode(token_ids(req.tokens, "tokens") if req.tokens else [])}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        stats = await loop.call(lambda e: e.stats())
+        return PlainTextResponse(loop.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> dict:
+        authorize(request)
+        freed = await loop.call(lambda e: e.kv.reset_prefix_cache())
+        return {"freed_blocks": freed}
+
+    return app
+
+
+def _model_name(engine: LLMEngine) -> str:
+    base = os.path.basename(os.path.normpath(engine.loaded.path))
+    return base.removesuffix(".gguf")

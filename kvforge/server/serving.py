@@ -1,0 +1,151 @@
+"""Turn an OpenAI request into engine submissions, then collect or stream the outputs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from kvforge.errors import InvalidRequestError, PromptTooLongError
+from kvforge.outputs import RequestOutput
+from kvforge.sampling_params import SamplingParams
+from kvforge.server.engine_loop import EngineLoop, RequestGroup, Submission
+from kvforge.server.errors import APIError, bad_request, server_error
+from kvforge.server.protocol import ChatRequest, CompletionRequest
+from kvforge.server.responses import ChoiceText, Shaper, usage
+
+MAX_N = 16
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
+
+
+@dataclass
+class Prepared:
+    prompts: list[list[int]]
+    n: int
+    subs: list[Submission]
+    shaper: Shaper
+    stop: list[str]
+    include_usage: bool
+
+
+def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engine, cache_salt: str | None,
+            kind: str, model: str) -> Prepared:
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be an integer in 1..{MAX_N}, got {req.n}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) != 0:
+            raise bad_request(f"{name} is not supported; send 0 or leave it out", name)
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise bad_request("echo is not supported; leave it out or send false", "echo")
+        max_tokens, default_max, logprobs, want_lp = req.max_tokens, 16, req.logprobs, req.logprobs is not None
+    else:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        default_max, want_lp = None, req.logprobs
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    limit = engine.max_model_len
+    subs = []
+    for ids in prompts:
+        room = limit - len(ids)
+        if room < 1:
+            raise APIError(400, f"prompt has {len(ids)} tokens; this server's max_model_len is {limit}, so a prompt "
+                           f"must have at most {limit - 1} tokens", param="prompt", code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
+                           f"max_model_len is {limit}, so max_tokens may be at most {room}", param="max_tokens",
+                           code="context_length_exceeded")
+        n_tokens = max_tokens if max_tokens is not None else min(default_max or room, room)
+        for j in range(req.n):
+            seed = None if req.seed is None else req.seed + j
+            try:
+                params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                        max_tokens=n_tokens, seed=seed, stop=req.stop, ignore_eos=req.ignore_eos,
+                                        logprobs=logprobs)
+            except InvalidRequestError as e:
+                raise invalid(e) from None
+            subs.append(Submission(ids, params, cache_salt))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return Prepared(prompts, req.n, subs, Shaper(kind, model, want_lp), subs[0].params.stop, include_usage)
+
+
+def invalid(e: InvalidRequestError) -> APIError:
+    word = str(e).split(" ", 1)[0]
+    code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
+    return bad_request(str(e), word if word in _PARAMS else None, code)
+
+
+async def submit(loop: EngineLoop, p: Prepared) -> RequestGroup:
+    try:
+        return await loop.submit(p.subs)
+    except InvalidRequestError as e:
+        raise invalid(e) from None
+
+
+def _usage(p: Prepared, finals: dict[int, RequestOutput]) -> dict:
+    cached = sum(o.metrics.cached_tokens for i, o in finals.items() if i % p.n == 0)
+    return usage(sum(len(ids) for ids in p.prompts), sum(len(o.token_ids) for o in finals.values()), cached)
+
+
+async def collect(loop: EngineLoop, group: RequestGroup, p: Prepared,
+                  disconnected: Callable[[], Awaitable[bool]]) -> dict | None:
+    """The response body, or None when the client went away (its requests are aborted)."""
+    finals: dict[int, RequestOutput] = {}
+    checked = time.monotonic()
+    try:
+        while len(finals) < len(group.ids):
+            if time.monotonic() - checked > DISCONNECT_POLL_S:
+                checked = time.monotonic()
+                if await disconnected():
+                    return None
+            try:
+                index, item = await asyncio.wait_for(group.queue.get(), timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(item, Exception):
+                raise server_error(f"the engine failed while running this request: {item}")
+            if item.finished:
+                finals[index] = item
+    finally:
+        left = [rid for i, rid in enumerate(group.ids) if i not in finals]
+        if left:
+            loop.abort(left)
+    choices = [p.shaper.choice(i, o.text, o.finish_reason, o.logprobs or []) for i, o in sorted(finals.items())]
+    return p.shaper.response(choices, _usage(p, finals))
+
+
+async def stream(loop: EngineLoop, group: RequestGroup, p: Prepared, tokenizer) -> AsyncIterator[str]:
+    """Server-sent events; aborts the unfinished requests when the client goes away (the generator is cancelled)."""
+    texts = [ChoiceText(tokenizer, p.prompts[i // p.n], p.stop) for i in range(len(group.ids))]
+    finals: dict[int, RequestOutput] = {}
+    try:
+        if p.shaper.kind == "chat":
+            for i in range(len(group.ids)):
+                yield _sse(p.shaper.chunk(i, "", None, role=True))
+        while len(finals) < len(group.ids):
+            index, item = await group.queue.get()
+            if isinstance(item, Exception):
+                yield _sse(server_error(f"the engine failed while running this request: {item}").body())
+                break
+            t = texts[index]
+            offset = len(t.sent)
+            delta = t.delta(item.new_token_ids, item.finished, item.text)
+            logprobs = t.new_logprobs(item.logprobs)
+            if item.finished:
+                finals[index] = item
+            if delta or logprobs or item.finished:
+                yield _sse(p.shaper.chunk(index, delta or None, item.finish_reason if item.finished else None, logprobs, offset))
+        if p.include_usage and len(finals) == len(group.ids):
+            yield _sse(p.shaper.usage_chunk(_usage(p, finals)))
+        yield "data: [DONE]\n\n"
+    finally:
+        left = [rid for i, rid in enumerate(group.ids) if i not in finals]
+        if left:
+            loop.abort(left)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,79 @@
+"""A real kvforge server on 127.0.0.1 (uvicorn in a background thread) and an offline reference LLM."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Self
+
+import pytest
+import torch
+import uvicorn
+
+from kvforge.config import EngineConfig
+from kvforge.engine.engine import LLMEngine
+from kvforge.llm import LLM
+from kvforge.server import ServerConfig, build_app
+
+if os.environ.get("OMP_NUM_THREADS"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+ENGINE = {"kv_cache_memory": 160 << 20, "max_model_len": 512, "max_num_seqs": 64}
+
+
+class ServerThread:
+    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None):
+        self.engine = engine
+        self.app = build_app(engine, config)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+def make_engine(loaded, **options) -> LLMEngine:
+    return LLMEngine(EngineConfig(**{**ENGINE, **options}), loaded)
+
+
+@pytest.fixture(scope="session")
+def server(smol_loaded):
+    with ServerThread(make_engine(smol_loaded)) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def offline(smol_loaded) -> LLM:
+    """The offline LLM API on its own engine over the same loaded weights."""
+    llm = LLM.__new__(LLM)
+    llm.engine = make_engine(smol_loaded)
+    return llm
+
+
+@pytest.fixture()
+def client(server):
+    from openai import OpenAI
+
+    with OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def model_name(server) -> str:
+    import httpx
+
+    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
