@@ -42,7 +42,7 @@ class KVFormat(ABC):
     """A storage codec. Subclasses register themselves by `name`."""
 
     name: ClassVar[str]
-    registry: ClassVar[dict[str, type["KVFormat"]]] = {}
+    registry: ClassVar[dict[str, type[KVFormat]]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -137,4 +137,4 @@ def get_format(name: str, **options) -> KVFormat:
 
 
 # Quantized formats register themselves on import (they subclass KVFormat, so this comes last).
-from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: E402,F401
+from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: F401

@@ -32,7 +32,7 @@ class KVCacheSpec:
         return self.num_layers * self.elements_per_token_per_layer
 
     @classmethod
-    def from_model_config(cls, cfg: ModelConfig) -> "KVCacheSpec":
+    def from_model_config(cls, cfg: ModelConfig) -> KVCacheSpec:
         kv_lora_rank = cfg.extra.get("kv_lora_rank")
         if kv_lora_rank:
             latent = kv_lora_rank + cfg.extra["qk_rope_head_dim"]

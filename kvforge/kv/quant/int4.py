@@ -3,14 +3,14 @@
 Defaults are tuned on SmolLM2-135M (decode-faithful perplexity, 2,048 tokens of Hamlet): keys per
 token lose 6.7% (4.5% with exact sinks) because of keys' outlier channels; keys per channel
 (KIVI, Liu et al. 2024) with 4 exact sink tokens lose ~0.6%. To stay >= 3.2x smaller than fp16 at
-block_size 16, per-channel key ranges are stored as uint8 codes and values use groups of 64.
+block_size 16, group scales are stored as 8-bit log2 codes and values use groups of 64.
 Options:
   group_size      values (and per-token keys) per group along head_dim (default 64).
   key_axis        "channel" (default): keys per channel over a block's tokens; the block being filled
                   stays fp16 in a staging entry until newer blocks need it.
                   "token": keys grouped like values; rows independent, no staging.
-  key_param_bits  8 (default): per-channel key min/max as uint8 codes on a per-block, per-head fp16
-                  grid; 16: fp16 min and scale.
+  scale_bits      8 (default): each group's scale as a uint8 log2 code (rounded up), zero in fp16;
+                  16: scale and zero both fp16.
   sinks           first positions of each sequence kept fp16 (default 4; needs `positions` on write).
   window          most recent tokens per sequence kept fp16 (default 0; rounded up to whole blocks).
   outlier_frac    fraction of each block's values kept fp16 (dense-and-sparse, KVQuant; default 0).
@@ -33,7 +33,7 @@ class INT4(QuantFormat):
     name = "int4"
     group_size: int = 64
     key_axis: str = "channel"
-    key_param_bits: int = 8
+    scale_bits: int = 8
     sinks: int = 4
     window: int = 0
     outlier_frac: float = 0.0
@@ -43,15 +43,14 @@ class INT4(QuantFormat):
         check_int(self.name, "sinks", self.sinks, 0)
         check_int(self.name, "window", self.window, 0)
         check_frac(self.name, self.outlier_frac)
-        if self.key_param_bits not in (8, 16):
-            raise ConfigError(f"int4: key_param_bits must be 8 or 16, got {self.key_param_bits!r}")
+        if self.scale_bits not in (8, 16):
+            raise ConfigError(f"int4: scale_bits must be 8 or 16, got {self.scale_bits!r}")
         if self.key_axis not in KEY_AXES:
             raise ConfigError(f"int4: key_axis must be one of {KEY_AXES}, got {self.key_axis!r}")
 
     def codecs(self, spec: KVCacheSpec) -> tuple[Codec, Codec | None]:
-        k = UniformCodec(4, self.key_axis, self.group_size, self.outlier_frac,
-                         self.key_param_bits if self.key_axis == "channel" else 16)
-        v = UniformCodec(4, "token", self.group_size, self.outlier_frac) if spec.has_values else None
+        k = UniformCodec(4, self.key_axis, self.group_size, self.outlier_frac, self.scale_bits)
+        v = UniformCodec(4, "token", self.group_size, self.outlier_frac, self.scale_bits) if spec.has_values else None
         return k, v
 
     def validate(self, spec: KVCacheSpec, block_size: int) -> None:

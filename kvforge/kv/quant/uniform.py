@@ -4,9 +4,9 @@ x ~= zero + code * scale with zero = min and scale = (max - min) / (2**bits - 1)
 codes are bit-packed, scale and zero are fp16. Optional dense-and-sparse outliers (KVQuant,
 Hooper et al. 2024): per block the `outlier_frac` values farthest from their group mean are kept
 in fp16 (with their flat index) and excluded from the group's range.
-With `param_bits=8` (channel axis only) the per-channel min and max are themselves stored as uint8
-codes (min rounded down, max up) on a per-block, per-head fp16 grid (double quantization, as QLoRA
-does for its scales): 2 bytes per channel instead of 4.
+With `param_bits=8` the scale is stored as a uint8 code on a log2 grid (9 steps per octave, rounded
+up so the group's range stays covered; steps grow by at most 8%) next to the fp16 zero: 3 bytes per
+group instead of 4.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvforge.kv.quant.packing import pack, unpack
 
 PARAM_DTYPE = torch.float16
 MIN_SCALE = 1e-6
+LOG_MIN, LOG_STEPS = -18.0, 9.0  # 8-bit scales: 2**-18 .. 2**10.3
 
 
 class UniformCodec(Codec):
@@ -37,10 +38,8 @@ class UniformCodec(Codec):
             param = (block_size, heads, dim // self.group_size)
         else:
             param = (heads, dim)
-        if self.param_bits == 8:
-            parts = [codes, (param, torch.uint8), (param, torch.uint8), ((heads,), PARAM_DTYPE), ((heads,), PARAM_DTYPE)]
-        else:
-            parts = [codes, (param, PARAM_DTYPE), (param, PARAM_DTYPE)]
+        scale_dtype = torch.uint8 if self.param_bits == 8 else PARAM_DTYPE
+        parts = [codes, (param, scale_dtype), (param, PARAM_DTYPE)]
         n_out = self.num_outliers(block_size, heads, dim)
         if n_out:
             index_dtype = torch.int16 if block_size * heads * dim <= 2**15 else torch.int32
@@ -70,17 +69,13 @@ class UniformCodec(Codec):
         lo = lo_g.amin(red, keepdim=True)
         hi = self._groups(hi_src)[0].amax(red, keepdim=True)
         lo, hi = lo.nan_to_num(0.0, 0.0, 0.0), hi.nan_to_num(0.0, 0.0, 0.0)
+        zero = lo.to(PARAM_DTYPE)
+        scale = (hi - zero.float()) / self.levels
         if self.param_bits == 8:
-            low = lo.amin(-1, keepdim=True)
-            base = (low - low.abs() * 2e-3 - MIN_SCALE).to(PARAM_DTYPE)  # fp16 rounding stays below min
-            step = ((hi.amax(-1, keepdim=True) - base.float()) / 250).clamp_min(MIN_SCALE).to(PARAM_DTYPE)
-            lo_c = ((lo - base.float()) / step.float()).floor_().clamp_(0, 255)
-            hi_c = ((hi - base.float()) / step.float()).ceil_().clamp_(0, 255)
-            params = [lo_c.to(torch.uint8).squeeze(red), hi_c.to(torch.uint8).squeeze(red),
-                      base.flatten(1), step.flatten(1)]
+            code = ((scale.clamp_min(2.0 ** LOG_MIN).log2() - LOG_MIN) * LOG_STEPS).ceil_().clamp_(0, 255)
+            params = [code.to(torch.uint8).squeeze(red), zero.squeeze(red)]
         else:
-            params = [((hi - lo.to(PARAM_DTYPE).float()) / self.levels).clamp_min(MIN_SCALE).to(PARAM_DTYPE).squeeze(red),
-                      lo.to(PARAM_DTYPE).squeeze(red)]
+            params = [scale.clamp_min(MIN_SCALE).to(PARAM_DTYPE).squeeze(red), zero.squeeze(red)]
         scale, zero = self._scale_zero(params)
         g = self._groups(x)[0]
         q = ((g - zero.unsqueeze(red)) / scale.unsqueeze(red)).round_().clamp_(0, self.levels).view(x.shape)
@@ -92,19 +87,15 @@ class UniformCodec(Codec):
 
     def _scale_zero(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 scale and zero per group from the stored parameter parts."""
-        if self.param_bits != 8:
-            return params[0].float(), params[1].float()
-        base, step = params[2].float()[..., None], params[3].float()[..., None]
-        lo = base + params[0].float() * step
-        hi = base + params[1].float() * step
-        return ((hi - lo) / self.levels).clamp_min(MIN_SCALE), lo
+        if self.param_bits == 8:
+            return torch.exp2(params[0].float() / LOG_STEPS + LOG_MIN), params[1].float()
+        return params[0].float(), params[1].float()
 
     def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
         q = unpack(parts[0], self.bits).float()
-        n_params = 4 if self.param_bits == 8 else 2
-        scale, zero = self._scale_zero(parts[1:1 + n_params])
+        scale, zero = self._scale_zero(parts[1:3])
         g, red = self._groups(q)
         x = (g * scale.unsqueeze(red) + zero.unsqueeze(red)).view(q.shape)
-        if len(parts) > 1 + n_params:
+        if len(parts) > 3:
             x.view(x.shape[0], -1).scatter_(1, parts[-2].long(), parts[-1].float())
         return x
