@@ -13,10 +13,11 @@ from kvforge.kv.spec import KVCacheSpec
 
 class KVCacheManager:
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
-                 layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False):
+                 layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
+                 max_num_seqs: int = 1):
         self.spec, self.format, self.block_size, self.layout = spec, fmt, block_size, layout
         self.max_model_len = max_model_len
-        self.pool = KVPool(spec, fmt, num_blocks, block_size, device)
+        self.pool = KVPool(spec, fmt, num_blocks, block_size, device, max_num_seqs)
         self.allocator = BlockAllocator(num_blocks)
         self.block_bytes = bytes_per_block(spec, fmt, block_size)
         self.prefix_tree = None

@@ -26,5 +26,18 @@ def bytes_for_sequence(spec: KVCacheSpec, fmt: KVFormat, num_tokens: int, block_
     return blocks_for_tokens(num_tokens, block_size) * bytes_per_block(spec, fmt, block_size)
 
 
-def num_blocks_for_budget(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget_bytes: int) -> int:
-    return int(budget_bytes // bytes_per_block(spec, fmt, block_size))
+def side_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, max_num_seqs: int = 1) -> int:
+    """Fixed bytes a format keeps beside its blocks (e.g. fp16 residual windows), all layers."""
+    return spec.num_layers * fmt.side_bytes(spec, block_size, max_num_seqs)
+
+
+def num_blocks_for_budget(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget_bytes: int,
+                          max_num_seqs: int = 1) -> int:
+    """Blocks that fit a budget after the format's side buffers for max_num_seqs sequences."""
+    usable = budget_bytes - side_bytes(spec, fmt, block_size, max_num_seqs)
+    return max(0, int(usable // bytes_per_block(spec, fmt, block_size)))
+
+
+def pool_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, num_blocks: int, max_num_seqs: int = 1) -> int:
+    """Exactly what a pool of num_blocks allocates."""
+    return num_blocks * bytes_per_block(spec, fmt, block_size) + side_bytes(spec, fmt, block_size, max_num_seqs)

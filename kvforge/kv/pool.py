@@ -8,12 +8,13 @@ from kvforge.kv.spec import KVCacheSpec
 
 
 class KVPool:
-    def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
+                 max_num_seqs: int = 1):
         self.spec, self.format, self.num_blocks, self.block_size = spec, fmt, num_blocks, block_size
-        self.layers = [fmt.allocate(spec, num_blocks, block_size, device) for _ in range(spec.num_layers)]
+        self.layers = [fmt.allocate(spec, num_blocks, block_size, device, max_num_seqs) for _ in range(spec.num_layers)]
 
     def write(self, layer: int, meta, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        self.layers[layer].write(meta.slot_mapping, k, v)
+        self.layers[layer].write(meta.slot_mapping, k, v, meta.positions)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         for layer in self.layers:
