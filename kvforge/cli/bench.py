@@ -40,6 +40,16 @@ def register(sub) -> None:
     x.add_argument("--no-progress", action="store_true")
     x.set_defaults(func=run_prefix)
 
+    f = bsub.add_parser("kv-formats", help="bytes/token, 2k-token sequences per budget, decode speed for each format")
+    f.add_argument("--formats", nargs="*", default=None)
+    f.add_argument("--budget", default="1GiB")
+    f.add_argument("--seq-len", type=int, default=2048)
+    f.add_argument("--batch", type=int, default=4)
+    f.add_argument("--steps", type=int, default=16)
+    f.add_argument("--model", default=None)
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=run_kv_formats)
+
     from kvforge.bench.serve import register_serve
     register_serve(bsub)
 
@@ -110,6 +120,22 @@ def run_prefix(args) -> int:
         ("peak_kv_reduction", r["peak_kv_reduction"]),
         ("multiturn.reuse_rate", r["multiturn"]["reuse_rate"]),
     ])
+    return 0
+
+
+def run_kv_formats(args) -> int:
+    from kvforge.bench.kv_formats import kv_formats_bench
+    from kvforge.models.loader import load_model
+
+    r = kv_formats_bench(load_model(args.model), args.formats, parse_size(args.budget), args.seq_len, args.batch, args.steps)
+    if args.json:
+        _emit(r, True, [])
+        return 0
+    print(f"budget {r['budget_bytes'] / 2**30:.2f} GiB, {r['seq_len']}-token sequences, decode at batch {r['batch']}")
+    print(f"{'format':<10} {'B/token':>9} {'seqs fit':>9} {'vs fp16':>8} {'decode tok/s':>13} {'slowdown':>9}")
+    for name, row in r["formats"].items():
+        print(f"{name:<10} {row['bytes_per_token']:>9.0f} {row['sequences_fit']:>9} {row['capacity_ratio_vs_fp16']:>8.2f} "
+              f"{row['decode_tok_s']:>13.1f} {row['decode_slowdown_vs_fp32']:>8.1%}")
     return 0
 
 
