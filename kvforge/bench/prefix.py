@@ -6,6 +6,7 @@ import statistics
 import time
 
 from kvforge.bench.progress import Progress
+from kvforge.bench.workload import random_tokens
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.sampling_params import SamplingParams
@@ -41,8 +42,8 @@ def shared_prompt_scenario(loaded, caching: bool, num_requests: int, system_len:
                            max_tokens: int, budget: int, seed: int, show: bool) -> dict:
     rng = random.Random(seed)
     vocab = loaded.config.vocab_size
-    system = [rng.randrange(100, vocab) for _ in range(system_len)]
-    prompts = [system + [rng.randrange(100, vocab) for _ in range(rng.randint(*question_len))] for _ in range(num_requests)]
+    system = random_tokens(rng, system_len, vocab)
+    prompts = [system + random_tokens(rng, rng.randint(*question_len), vocab) for _ in range(num_requests)]
     engine = LLMEngine(EngineConfig(kv_cache_memory=budget, enable_prefix_caching=caching,
                                     max_model_len=system_len + question_len[1] + max_tokens + 16), loaded)
     stats, _ = _run(engine, prompts, max_tokens, f"shared prompt, caching {'on' if caching else 'off'}", show)
@@ -59,7 +60,7 @@ def multiturn_scenario(loaded, conversations: int, turns: int, question_len: tup
     history = [[] for _ in range(conversations)]
     hits = shareable = 0
     for turn in range(turns):
-        prompts = [h + [rng.randrange(100, vocab) for _ in range(rng.randint(*question_len))] for h in history]
+        prompts = [h + random_tokens(rng, rng.randint(*question_len), vocab) for h in history]
         _, outs = _run(engine, prompts, max_tokens, f"multi-turn, turn {turn + 1}/{turns}", show)
         for c, (p, out) in enumerate(zip(prompts, outs.values())):
             if turn:

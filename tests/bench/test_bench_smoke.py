@@ -1,0 +1,38 @@
+"""The benchmarks run end to end on a tiny model and measure what they claim (small workloads)."""
+from kvforge.bench.kv_formats import sequences_that_fit
+from kvforge.bench.memory import memory_bench
+from kvforge.bench.prefix import prefix_bench
+from kvforge.bench.throughput import throughput_bench
+from kvforge.config import EngineConfig
+from kvforge.engine.engine import LLMEngine
+from kvforge.kv.formats import get_format
+from kvforge.kv.spec import KVCacheSpec
+
+
+def test_throughput_counts_the_same_tokens_for_both(tiny_loaded, tiny_dir):
+    engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=4, max_model_len=128), tiny_loaded)
+    r = throughput_bench(engine, tiny_dir, num_requests=6, prompt_len=(4, 20), output_len=(2, 9), show_progress=False)
+    assert r["kvforge"]["output_tokens"] == r["hf"]["output_tokens"] == r["workload"]["output_tokens"]
+    assert r["speedup"] > 0 and 0 < r["roofline_fraction"]
+    assert r["kvforge"]["flops"] > 0
+
+
+def test_paged_layout_uses_memory_better_than_contiguous(tiny_loaded):
+    r = memory_bench(tiny_loaded, num_requests=12, prompt_len=(8, 40), output_len=(4, 16), max_model_len=128,
+                     max_num_seqs=12, show_progress=False)
+    assert r["paged"]["utilization"] > 0.7 > 0.3 > r["contiguous"]["utilization"]  # short sequences: block rounding shows
+    assert r["concurrency_ratio"] > 1.5
+
+
+def test_prefix_bench_reuses_the_shared_prompt(tiny_loaded):
+    r = prefix_bench(tiny_loaded, num_requests=6, system_len=64, question_len=(4, 12), max_tokens=4, budget=1 << 22,
+                     conversations=3, turns=3, show=False)
+    assert r["reuse_rate"] > 0.95 and r["multiturn"]["reuse_rate"] > 0.8
+    assert r["on"]["hit_tokens"] > 0 == r["off"]["hit_tokens"]
+    assert r["peak_kv_reduction"] > 0.3
+
+
+def test_quantized_formats_fit_more_sequences(tiny_loaded):
+    spec = KVCacheSpec.from_model_config(tiny_loaded.config)
+    fit = {d: sequences_that_fit(spec, get_format(d), 16, 8 << 20, 256) for d in ("fp32", "fp16", "int8")}
+    assert fit["fp16"] == 2 * fit["fp32"] and fit["int8"] >= 1.7 * fit["fp16"]
