@@ -2,10 +2,9 @@ import os
 import sys
 
 import pytest
-import torch
+import torch  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")
