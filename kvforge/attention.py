@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kv.formats import LayerKV
+from kvforge.kv.policies.stats import record_decode, record_prefill
 
 
 @dataclass
@@ -24,6 +25,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]
     block_size: int
     sliding_window: int | None = None
+    collect: dict[int, int] | None = None  # row -> trailing queries whose attention a KV policy wants
     query_start_loc: list[int] = field(init=False)
     decode_rows: list[int] = field(init=False)  # sequences with one query token
     prefill_rows: list[int] = field(init=False)
@@ -37,6 +39,7 @@ class AttentionMetadata:
         self.decode_rows = [i for i, n in enumerate(self.query_lens) if n == 1]
         self.prefill_rows = [i for i, n in enumerate(self.query_lens) if n != 1]
         self._decode_cache = None
+        self.attn_sums: dict[int, torch.Tensor] = {}  # row -> [k, context_len], summed over heads and layers
 
     def decode_layout(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Padded block table, key mask and query row index for the batched decode path."""
@@ -80,11 +83,15 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
     k, v = k.view(b, length, kv_heads, -1), v.view(b, length, kv_heads, -1)
     qd = q[q_index].view(b, kv_heads, -1, q.shape[-1])  # [B, kvh, group, d]
     mask = ~valid[:, None, :]
-    out = []
+    out, acc = [], None
     for h in range(kv_heads):  # strided per-head views: no copy of the gathered K/V
         scores = torch.bmm(qd[:, h], k[:, :, h].transpose(1, 2)) * scale
         probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
         out.append(torch.bmm(probs, v[:, :, h]))
+        if meta.collect:
+            acc = probs.sum(1) if acc is None else acc + probs.sum(1)
+    if acc is not None:
+        record_decode(meta, acc)
     return torch.stack(out, 1).reshape(b, -1, v.shape[-1])
 
 
@@ -101,4 +108,6 @@ def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: in
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )
+    if meta.collect:
+        record_prefill(meta, i, q, k, mask, scale)
     return out[0].transpose(0, 1)

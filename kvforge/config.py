@@ -23,6 +23,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    kv_policy: str | None = None  # full | window | streaming | h2o | scissorhands | snapkv; None = full (window for sliding-window models)
+    kv_policy_options: dict | None = None  # e.g. {"budget": 1024, "sinks": 4}; budget < 1.0 = fraction of the length
     device: str | None = None  # None = cuda when available, else cpu
     seed: int = 0
 

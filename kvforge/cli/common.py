@@ -18,6 +18,42 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix sharing off")
     g.add_argument("--device", default=None)
+    add_policy_options(g)
+
+
+def add_policy_options(g) -> None:
+    g.add_argument("--kv-policy", default=None, choices=["full", "window", "streaming", "h2o", "scissorhands", "snapkv"],
+                   help="KV eviction policy (default: full; window for sliding-window models)")
+    g.add_argument("--budget", type=_budget, default=None, help="KV tokens kept: a count (1024) or a fraction (0.5)")
+    g.add_argument("--kv-policy-options", default=None, help='more policy options as JSON, e.g. \'{"sinks": 4}\'')
+
+
+def _budget(text: str) -> int | float:
+    value = float(text)
+    if value.is_integer() and value >= 1:
+        return int(value)
+    if 0 < value < 1:
+        return value
+    raise argparse.ArgumentTypeError(f"budget must be a token count >= 1 or a fraction in (0, 1), got {text!r}")
+
+
+def policy_kwargs(args: argparse.Namespace) -> dict:
+    """kv_policy and kv_policy_options from --kv-policy, --budget and --kv-policy-options."""
+    import json
+
+    from kvforge.errors import ConfigError
+
+    options = {}
+    if args.kv_policy_options:
+        try:
+            options = json.loads(args.kv_policy_options)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--kv-policy-options must be a JSON object, e.g. '{{\"sinks\": 4}}': {e}") from None
+        if not isinstance(options, dict):
+            raise ConfigError("--kv-policy-options must be a JSON object")
+    if args.budget is not None:
+        options["budget"] = args.budget
+    return {"kv_policy": args.kv_policy, "kv_policy_options": options or None}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -32,4 +68,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "device": args.device,
+        **policy_kwargs(args),
     }

@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 import sys
 
+from kvforge.cli.common import add_policy_options, policy_kwargs
+from kvforge.eval.passkey import register_passkey
+
 
 def register(sub) -> None:
     p = sub.add_parser("eval", help="measure quality of KV techniques on real text")
@@ -18,7 +21,10 @@ def register(sub) -> None:
     ppl.add_argument("--chunk-size", type=int, default=128)
     ppl.add_argument("--agreement-prompts", type=int, default=12, help="greedy agreement prompts (0 = skip)")
     ppl.add_argument("--json", action="store_true")
+    ppl.add_argument("--segment", type=int, default=None, help="also report perplexity and peak KV per segment of N tokens")
+    add_policy_options(ppl)
     ppl.set_defaults(func=run_ppl)
+    register_passkey(esub)
 
 
 def parse_options(text: str | None) -> dict:
@@ -42,8 +48,8 @@ def run_ppl(args) -> int:
 
     text = load_text(args.text, args.text_file)
     loaded = load_model(args.model)
-    r = ppl_eval(loaded, text, args.max_tokens, args.chunk_size, args.agreement_prompts,
-                 kv_cache_dtype=args.kv_dtype, kv_cache_options=parse_options(args.kv_options))
+    r = ppl_eval(loaded, text, args.max_tokens, args.chunk_size, args.agreement_prompts, segment=args.segment,
+                 kv_cache_dtype=args.kv_dtype, kv_cache_options=parse_options(args.kv_options), **policy_kwargs(args))
     if args.json:
         json.dump(r, sys.stdout, indent=2)
         print()
@@ -51,6 +57,11 @@ def run_ppl(args) -> int:
         print(f"text: {args.text_file or args.text}, {r['tokens']} tokens, chunks of {r['chunk_size']}")
         print(f"fp32 cache   ppl {r['ppl_baseline']:.4f}   {r['kv_bytes_per_token_baseline']:.0f} B/token")
         print(f"{args.kv_dtype:<12} ppl {r['ppl']:.4f}   {r['kv_bytes_per_token']:.0f} B/token   delta {r['delta_pct']:+.2f}%")
+        if args.kv_policy:
+            print(f"kv policy {args.kv_policy} budget {args.budget}: peak KV {r['peak_kv_bytes'] / 2**20:.1f} MiB "
+                  f"(full cache {r['peak_kv_bytes_baseline'] / 2**20:.1f} MiB over {r['baseline_tokens']} tokens)")
+        for i, p in enumerate(r.get("segments", [])):
+            print(f"segment {i}: ppl {p:.4f}   peak KV {r['segment_peak_kv_bytes'][i] / 2**20:.1f} MiB")
         if "greedy" in r:
             g = r["greedy"]
             print(f"greedy agreement: {g['token_agreement']:.3f} of tokens, {g['identical_outputs']}/{g['prompts']} outputs identical")

@@ -15,6 +15,7 @@ from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
 from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
+from kvforge.kv.policies import Evictor, build_policy
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.outputs import RequestOutput
@@ -34,11 +35,20 @@ class LLMEngine:
         self.format = get_format(config.kv_cache_dtype, **(config.kv_cache_options or {}))
         self.format.validate(self.spec, config.block_size)
         num_blocks = self._num_blocks()
+        self.policy = build_policy(config.kv_policy, config.kv_policy_options, cfg.sliding_window)
+        if self.policy.evicts and config.kv_layout != "paged":
+            raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
+        # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
+        prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
-                                 self.max_model_len, config.enable_prefix_caching)
+                                 self.max_model_len, prefix, config.max_num_seqs)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, cfg.sliding_window, decode)
+        if self.policy.evicts:
+            self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
+        # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
+        self.length_limit = 2**62 if self.policy.rope_by_cache_index and self.policy.evicts else self.max_model_len
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
@@ -48,7 +58,7 @@ class LLMEngine:
         budget = c.kv_cache_memory
         if budget is None:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
-        num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget)
+        num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs)
         need = blocks_for_tokens(self.max_model_len, c.block_size)
         if num_blocks < need and c.max_model_len is None and num_blocks > 0:
             self.max_model_len = num_blocks * c.block_size  # the model's full context does not fit: cap it
@@ -69,7 +79,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= self.length_limit:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                 "so the prompt must be shorter than that to leave room for at least one generated token")
@@ -139,7 +149,7 @@ class LLMEngine:
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             seq.metrics.generated_tokens = seq.num_output_tokens
-            reason = check_stop(seq, self.tokenizer, self.max_model_len, self.model_config.eos_token_ids)
+            reason = check_stop(seq, self.tokenizer, self.length_limit, self.model_config.eos_token_ids)
             if reason:
                 seq.finish_reason = reason
                 seq.metrics.finished_time = now
@@ -170,6 +180,8 @@ class LLMEngine:
             "kv_cache_dtype": self.format.name,
             "kv_layout": self.config.kv_layout,
         })
+        if self.runner.evictor:
+            s.update(self.runner.evictor.stats())
         return s
 
 

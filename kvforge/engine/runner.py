@@ -18,15 +18,17 @@ class ModelRunner:
         self.forward_tokens = 0  # tokens pushed through the model, for FLOP accounting
         self.sampled_tokens = 0
         self.attended_keys = 0  # sum over query tokens of the keys each attended to
+        self.evictor = None  # kvforge.kv.policies.Evictor when a KV policy evicts
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         input_ids, positions, slots, ctx_lens, sample_rows = [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            cache_start = seq.cache_len  # == start unless a KV policy evicted tokens
             input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self.kv.slots(seq, start, end))
-            ctx_lens.append(end)
+            positions.extend(self.evictor.positions(seq, n) if self.evictor else range(start, end))
+            slots.extend(self.kv.slots(seq, cache_start, cache_start + n))
+            ctx_lens.append(cache_start + n)
             if end == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
@@ -38,6 +40,7 @@ class ModelRunner:
             block_tables=[seq.block_table for seq in batch.seqs],
             block_size=self.kv.block_size,
             sliding_window=self.sliding_window,
+            collect=self.evictor.collect(batch.seqs, batch.num_new_tokens) if self.evictor else None,
         )
         return torch.tensor(input_ids, dtype=torch.long, device=dev), meta, sample_rows
 
@@ -50,6 +53,8 @@ class ModelRunner:
         self.attended_keys += sum(n * c - n * (n - 1) // 2 for n, c in zip(meta.query_lens, meta.context_lens))
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        if self.evictor:
+            self.evictor.after_forward(batch.seqs, meta)
         sampled_seqs = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
         if not sampled_seqs:
             return {}

@@ -29,6 +29,8 @@ def iter_chunk_logits(engine, token_ids: list[int], chunk_size: int = 128) -> It
             input_ids, meta, _ = runner.build_metadata(batch)
             hidden = runner.model(input_ids, meta, kv.pool)
             seq.num_computed_tokens += n
+            if runner.evictor:  # the KV policy applies between chunks, as between decode steps
+                runner.evictor.after_forward(batch.seqs, meta)
             yield start, runner.model.compute_logits(hidden).float()
     finally:
         kv.free(seq)

@@ -25,7 +25,9 @@ class Sequence:
         self.params = params
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0  # tokens whose K/V were computed (logical progress)
+        self.num_evicted = 0  # of those, dropped from the cache by a KV policy
+        self.policy_state = None  # the KV policy's statistics for this sequence
         self.block_table: list[int] = []
         self.prefix_node = None  # locked prefix-tree node while running
         self.finish_reason: str | None = None
@@ -36,6 +38,11 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[dict] = []
         self.num_returned = 0  # generated tokens already reported by step()
+
+    @property
+    def cache_len(self) -> int:
+        """Slots this sequence occupies in its block table (num_computed_tokens without eviction)."""
+        return self.num_computed_tokens - self.num_evicted
 
     @property
     def num_tokens(self) -> int:

@@ -2,31 +2,45 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scoring import iter_chunk_logits
+from kvforge.errors import PromptTooLongError
 from kvforge.kv.formats import get_format
-from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, bytes_per_token
+from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, bytes_per_token, side_bytes
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
+
+
+EVAL_MAX_SEQS = 1  # formats size their fp16 staging per sequence: one sequence is what a real one gets
 
 
 def perplexity(engine: LLMEngine, token_ids: list[int], chunk_size: int = 128, segment: int | None = None) -> dict:
     """Perplexity of token_ids[1:] given their prefixes; optionally per segment of `segment` tokens."""
     targets = torch.tensor(token_ids)
     nll = torch.zeros(len(token_ids) - 1, dtype=torch.float64)
+    kv, seg_peaks, t0 = engine.kv, [], time.perf_counter()
+    kv.peak_blocks_used = kv.allocator.num_used
+    overall = 0
     for start, logits in iter_chunk_logits(engine, token_ids, chunk_size):
+        if segment and start and start % segment < chunk_size:  # a segment ended: its peak KV, then restart
+            seg_peaks.append(kv.peak_blocks_used * kv.block_bytes)
+            overall, kv.peak_blocks_used = max(overall, kv.peak_blocks_used), kv.allocator.num_used
         n = min(logits.shape[0], len(token_ids) - 1 - start)
         if n <= 0:
             break
         logp = torch.log_softmax(logits[:n], dim=-1)
         nll[start: start + n] = -logp.gather(1, targets[start + 1: start + 1 + n, None])[:, 0].double()
-    result = {"ppl": math.exp(nll.mean().item()), "tokens": len(token_ids)}
+    overall = max(overall, kv.peak_blocks_used)
+    result = {"ppl": math.exp(nll.mean().item()), "tokens": len(token_ids), "peak_kv_bytes": overall * kv.block_bytes,
+              "seconds": time.perf_counter() - t0}
     if segment:
         result["segments"] = [math.exp(nll[i: i + segment].mean().item()) for i in range(0, len(nll), segment)]
+        result["segment_peak_kv_bytes"] = seg_peaks + [kv.peak_blocks_used * kv.block_bytes]
     return result
 
 
@@ -34,10 +48,12 @@ def engine_for(loaded, num_tokens: int, block_size: int = 16, **options) -> LLME
     """An engine whose KV budget holds one sequence of num_tokens (plus headroom) in its format."""
     spec = KVCacheSpec.from_model_config(loaded.config)
     fmt = get_format(options.get("kv_cache_dtype", "fp32"), **(options.get("kv_cache_options") or {}))
-    budget = (blocks_for_tokens(num_tokens, block_size) + 4) * bytes_per_block(spec, fmt, block_size)
+    cache_tokens = min(num_tokens, loaded.config.max_position_embeddings)  # streaming runs past it in a bounded cache
+    budget = (blocks_for_tokens(cache_tokens, block_size) + 4) * bytes_per_block(spec, fmt, block_size) \
+        + side_bytes(spec, fmt, block_size, EVAL_MAX_SEQS)
     max_len = min(num_tokens + 1, loaded.config.max_position_embeddings)
     return LLMEngine(EngineConfig(kv_cache_memory=budget, block_size=block_size, max_model_len=max_len,
-                                  enable_prefix_caching=False, **options), loaded)
+                                  max_num_seqs=EVAL_MAX_SEQS, enable_prefix_caching=False, **options), loaded)
 
 
 def greedy_agreement(base: LLMEngine, other: LLMEngine, prompts: list[list[int]], max_tokens: int = 64) -> dict:
@@ -58,22 +74,35 @@ def greedy_agreement(base: LLMEngine, other: LLMEngine, prompts: list[list[int]]
 
 
 def ppl_eval(loaded, text: str, max_tokens: int = 4096, chunk_size: int = 128, agreement_prompts: int = 12,
-             agreement_tokens: int = 64, **options) -> dict:
+             agreement_tokens: int = 64, segment: int | None = None, **options) -> dict:
     """The format/policy's perplexity and the fp32 full-cache baseline, in one run on one text."""
     ids = loaded.tokenizer.encode(text)[:max_tokens]
     base = engine_for(loaded, len(ids))
     other = engine_for(loaded, len(ids), **options)
-    p0 = perplexity(base, ids, chunk_size)["ppl"]
-    p1 = perplexity(other, ids, chunk_size)["ppl"]
+    ctx = loaded.config.max_position_embeddings
+    if len(ids) > ctx and other.length_limit <= ctx:
+        raise PromptTooLongError(
+            f"{len(ids)} tokens exceed the model's context of {ctx}; kv_policy {other.policy.name!r} would need RoPE "
+            "positions past it. Use kv_policy='streaming' (positions inside a bounded cache) or fewer tokens")
+    r0 = perplexity(base, ids[:ctx], chunk_size, segment)  # full cache: the text within the context
+    r1 = perplexity(other, ids, chunk_size, segment)
+    p0, p1 = r0["ppl"], r1["ppl"]
     result = {
         "ppl_baseline": p0,
         "ppl": p1,
         "delta_pct": 100.0 * (p1 - p0) / p0,
+        "peak_kv_bytes": r1["peak_kv_bytes"],
+        "peak_kv_bytes_baseline": r0["peak_kv_bytes"],
+        "seconds": r1["seconds"],
+        "seconds_baseline": r0["seconds"],
+        "baseline_tokens": len(ids[:ctx]),
         "kv_bytes_per_token": bytes_per_token(other.spec, other.format, other.kv.block_size),
         "kv_bytes_per_token_baseline": bytes_per_token(base.spec, base.format, base.kv.block_size),
         "tokens": len(ids),
         "chunk_size": chunk_size,
         "options": {k: v for k, v in options.items()},
+        **({"segments": r1["segments"], "segment_peak_kv_bytes": r1["segment_peak_kv_bytes"],
+            "segments_baseline": r0["segments"]} if segment else {}),
     }
     if agreement_prompts:
         step = max(1, (len(ids) - 256) // agreement_prompts)

@@ -1,0 +1,25 @@
+"""KV eviction policies: full, window, streaming, h2o, scissorhands, snapkv (one dataclass each).
+
+How they fit the engine:
+- One kept set per sequence, shared by all layers and KV heads (statistics summed over both), so a
+  sequence keeps one block table. Sequence.cache_len = slots it occupies; num_computed_tokens keeps
+  counting logical tokens; the runner writes and attends by cache index.
+- Positions: window / h2o / scissorhands / snapkv keep keys rotated at their logical position (as in
+  their papers); streaming rotates queries and new keys by cache index and re-rotates kept keys when
+  they move, so its cache is bounded and a sequence may run past the model's context.
+- After each step (and between scoring chunks) the Evictor asks the policy which cache indices to
+  keep once the cache passes budget + slack, and compacts: kept rows move to the front through the
+  format's own gather/write (any KV dtype), trailing blocks go back to the allocator.
+- Prefix sharing: a compacted block no longer holds its token prefix, so an engine with an evicting
+  policy neither matches nor inserts into the prefix tree (shared blocks are never rewritten).
+"""
+from kvforge.kv.policies.base import FullPolicy, KVPolicy, PolicyState, build_policy
+from kvforge.kv.policies.evictor import Evictor
+from kvforge.kv.policies.h2o import H2OPolicy
+from kvforge.kv.policies.scissorhands import ScissorhandsPolicy
+from kvforge.kv.policies.snapkv import SnapKVPolicy
+from kvforge.kv.policies.streaming import StreamingPolicy
+from kvforge.kv.policies.window import WindowPolicy
+
+__all__ = ["Evictor", "FullPolicy", "H2OPolicy", "KVPolicy", "PolicyState", "ScissorhandsPolicy", "SnapKVPolicy",
+           "StreamingPolicy", "WindowPolicy", "build_policy"]

@@ -1,0 +1,41 @@
+"""Scissorhands: keep tokens whose importance persisted over a history window."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.kv.policies.base import KVPolicy, PolicyState, top_with_recent
+
+
+@dataclass
+class ScissorhandsPolicy(KVPolicy):
+    """Scissorhands (Liu et al., "Exploiting the Persistence of Importance Hypothesis for LLM KV Cache
+    Compression at Test Time", NeurIPS 2023, arXiv:2305.17118).
+
+    A token is important to a query when it gets more than the uniform share (1 / keys visible) of that
+    query's attention. Over the last `history` queries each token counts how often it was important;
+    compaction keeps the `recent` newest tokens and the most persistently important others.
+    recent: a token count or a fraction of the budget (default 0.25). Layer- and head-summed attention.
+    """
+
+    name = "scissorhands"
+    needs_attention = True
+    history: int = 256
+    recent: int | float = 0.25
+
+    def observe(self, state: PolicyState, attn: torch.Tensor) -> None:
+        rows, length = attn.shape
+        if state.history is None:
+            state.history = attn.new_zeros(0, length)
+        state.grow(length)
+        visible = torch.arange(length - rows + 1, length + 1, dtype=attn.dtype)
+        important = (attn > 1.0 / visible[:, None]).to(attn.dtype)
+        state.history = torch.cat([state.history[:, : length], important])[-self.history:]
+
+    def select(self, length: int, budget: int, state: PolicyState) -> torch.Tensor:
+        state.grow(length)
+        counts = state.history.sum(0)[:length] if state.history is not None else torch.zeros(length)
+        counts = counts + torch.arange(length) / (2.0 * length)  # ties go to the newer token
+        recent = int(self.recent * budget) if isinstance(self.recent, float) else min(self.recent, budget)
+        return top_with_recent(counts, budget, recent)

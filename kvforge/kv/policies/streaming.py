@@ -1,0 +1,37 @@
+"""StreamingLLM: attention sinks plus a recent window, with positions inside the cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.errors import ConfigError
+from kvforge.kv.policies.base import KVPolicy, PolicyState, recent
+
+
+@dataclass
+class StreamingPolicy(KVPolicy):
+    """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024,
+    arXiv:2309.17453): keep the first `sinks` tokens forever and the `budget - sinks` most recent.
+
+    Positions are cache indices, as in the paper: queries and new keys are rotated by their index in
+    the cache, and on compaction every kept key is re-rotated by (new index - old index), which RoPE
+    allows because rotations compose. The cache is bounded, so a sequence may run far past the
+    model's context length. budget must be a token count.
+    """
+
+    name = "streaming"
+    rope_by_cache_index = True
+    sinks: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.budget is not None and not isinstance(self.budget, int):
+            raise ConfigError(f"streaming: budget must be a token count (the cache is bounded), got {self.budget!r}")
+        if not isinstance(self.sinks, int) or self.sinks < 0 or (self.budget is not None and self.sinks >= self.budget):
+            raise ConfigError(f"streaming: sinks must be an integer in [0, budget), got {self.sinks!r}")
+
+    def select(self, length: int, budget: int, state: PolicyState) -> torch.Tensor:
+        sinks = min(self.sinks, length)
+        tail = recent(length, budget - self.sinks)
+        return torch.cat([torch.arange(sinks), tail[tail >= sinks]])

@@ -1,0 +1,170 @@
+"""KV policies in the engine: compared with a naive dense reference; blocks really freed; context limits."""
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.engine.engine import LLMEngine
+from kvforge.engine.scoring import position_logits
+from kvforge.errors import ConfigError, PromptTooLongError
+from kvforge.kv.policies import PolicyState, build_policy
+from kvforge.sampling_params import SamplingParams
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    ang = pos.double()[:, None] * inv_freq.double()[None, :]
+    cos, sin = ang.cos().float()[:, None], ang.sin().float()[:, None]
+    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+@torch.inference_mode()
+def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bool) -> torch.Tensor:
+    """Dense reference: un-rotated K and V per kept token, RoPE applied at read time by cache index
+    (rope_by_cache) or by logical position; the same policy decides what is kept after each chunk."""
+    cfg, inv_freq = model.config, model.rotary.inv_freq
+    layers = model.model.layers
+    keys = [torch.zeros(0, cfg.num_kv_heads, cfg.head_dim) for _ in layers]
+    vals = [torch.zeros(0, cfg.num_kv_heads, cfg.head_dim) for _ in layers]
+    logical = torch.zeros(0, dtype=torch.long)  # logical position of each cached token
+    state = PolicyState()
+    seq = types.SimpleNamespace(num_computed_tokens=0, num_evicted=0, prompt_token_ids=tokens, policy_state=state)
+    seq_len = lambda: seq.num_computed_tokens - seq.num_evicted  # noqa: E731
+    out = []
+    for start in range(0, len(tokens), chunk):
+        ids = torch.tensor(tokens[start: start + chunk])
+        n, c = len(ids), int(logical.shape[0])
+        logical = torch.cat([logical, torch.arange(start, start + n)])
+        pos = torch.arange(c + n) if rope_by_cache else logical
+        x = model.model.embed_tokens(ids)
+        rows = policy.attention_rows(types.SimpleNamespace(**{**vars(seq), "cache_len": c}), n)
+        attn_sum = torch.zeros(n, c + n)
+        for li, layer in enumerate(layers):
+            att, h = layer.self_attn, layer.input_layernorm(x)
+            q = att.q_proj(h).view(n, cfg.num_heads, cfg.head_dim)
+            keys[li] = torch.cat([keys[li], att.k_proj(h).view(n, cfg.num_kv_heads, cfg.head_dim)])
+            vals[li] = torch.cat([vals[li], att.v_proj(h).view(n, cfg.num_kv_heads, cfg.head_dim)])
+            group = cfg.num_heads // cfg.num_kv_heads
+            k = _rope(keys[li], pos, inv_freq).repeat_interleave(group, 1)
+            v = vals[li].repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", _rope(q, pos[c:], inv_freq), k) / math.sqrt(cfg.head_dim)
+            causal = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
+            probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+            attn_sum += probs.sum(0)
+            x = x + att.o_proj(torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out.append(model.compute_logits(model.model.norm(x)))
+        seq.num_computed_tokens += n
+        if rows:
+            policy.observe(state, attn_sum[-rows:] / attn_sum[-rows:].sum(-1, keepdim=True))
+        keep = policy.keep(types.SimpleNamespace(**{**vars(seq), "cache_len": seq_len()}), state)
+        if keep is not None:
+            state.grow(seq_len())
+            state.compact(keep)
+            keys, vals = [k[keep] for k in keys], [v[keep] for v in vals]
+            logical = logical[keep]
+            seq.num_evicted += seq_len() - len(keep)
+    return torch.cat(out)
+
+
+def _engine(loaded, policy=None, options=None, **kw) -> LLMEngine:
+    cfg = dict(kv_cache_memory=4_000_000, block_size=8, enable_prefix_caching=True, kv_policy=policy,
+               kv_policy_options=options)
+    return LLMEngine(EngineConfig(**{**cfg, **kw}), loaded)
+
+
+TOKENS = [int(t) for t in torch.randint(1, 90, (150,), generator=torch.Generator().manual_seed(3))]
+CASES = [("streaming", {"budget": 24, "sinks": 4, "slack": 8}, True),
+         ("window", {"budget": 24, "slack": 5}, False),
+         ("h2o", {"budget": 24, "slack": 8, "recent": 8}, False),
+         ("scissorhands", {"budget": 24, "slack": 8, "history": 20}, False)]
+
+
+@pytest.mark.parametrize("chunk", [1, 7])
+@pytest.mark.parametrize("name,options,by_cache", CASES)
+def test_policy_matches_naive_reference(tiny_loaded, name, options, by_cache, chunk):
+    engine = _engine(tiny_loaded, name, options)
+    got = position_logits(engine, TOKENS, chunk_size=chunk)
+    ref = naive_logits(tiny_loaded.model, TOKENS, build_policy(name, options), chunk, by_cache)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    assert engine.kv.allocator.num_used == 0
+    full = naive_logits(tiny_loaded.model, TOKENS, build_policy("full"), chunk, False)
+    assert (ref[60:] - full[60:]).abs().max() > 1e-2  # eviction really changed what was attended
+
+
+def test_streaming_reference_detects_wrong_positions(tiny_loaded):
+    options = {"budget": 24, "sinks": 4, "slack": 8}
+    right = naive_logits(tiny_loaded.model, TOKENS, build_policy("streaming", options), 1, True)
+    wrong = naive_logits(tiny_loaded.model, TOKENS, build_policy("streaming", options), 1, False)
+    assert (right[40:] - wrong[40:]).abs().max() > 10 * 2e-4  # 10x the tolerance the engine is held to
+
+
+def _generate_peak(engine, prompt, max_tokens) -> tuple[list[int], int]:
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    peak, out = 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        peak = max(peak, engine.kv.allocator.num_used)
+        s = engine.stats()
+        assert s["kv_blocks_used"] + s["kv_blocks_free"] == s["kv_blocks_total"]
+    return out.token_ids, peak
+
+
+@pytest.mark.parametrize("name", ["window", "streaming", "h2o", "scissorhands"])
+def test_eviction_frees_blocks(tiny_loaded, name):
+    full = _engine(tiny_loaded, max_num_batched_tokens=16)
+    full_ids, _ = _generate_peak(full, list(range(1, 40)), 120)
+    engine = _engine(tiny_loaded, name, {"budget": 32, "slack": 8}, max_num_batched_tokens=16)
+    ids, _ = _generate_peak(engine, list(range(1, 40)), 120)
+    assert len(ids) == len(full_ids) == 120
+    bound = math.ceil((32 + 8 + 16) / 8)  # budget + slack + one chunk, in blocks
+    assert full.stats()["kv_blocks_used_peak"] == math.ceil(159 / 8)
+    stats = engine.stats()
+    assert stats["kv_blocks_used_peak"] <= bound and stats["kv_evicted_tokens"] >= 159 - 40
+    assert stats["kv_blocks_used"] == 0 and stats["kv_bytes_used"] == 0
+
+
+def test_snapkv_compresses_prompt_once_and_keeps_decode_tokens(tiny_loaded):
+    engine = _engine(tiny_loaded, "snapkv", {"budget": 24, "window": 8})
+    engine.add_request(list(range(1, 81)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.step()  # the whole prompt in one step, then compression
+    seq = engine.scheduler.running[0]
+    assert seq.cache_len == 24 and len(seq.block_table) == 3 and seq.num_computed_tokens == 80
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.scheduler.running:
+            seq = engine.scheduler.running[0]
+            assert seq.cache_len == seq.num_computed_tokens - 56
+    assert engine.stats()["kv_compactions"] == 1
+
+
+def test_streaming_runs_past_context_and_full_is_refused(tiny_loaded):
+    ctx = tiny_loaded.config.max_position_embeddings
+    prompt = [int(t) for t in torch.randint(1, 90, (ctx + 20,), generator=torch.Generator().manual_seed(1))]
+    with pytest.raises(PromptTooLongError):
+        _engine(tiny_loaded, "full", kv_cache_memory=8_000_000).add_request(prompt)
+    engine = _engine(tiny_loaded, "streaming", {"budget": 64}, kv_cache_memory=8_000_000, max_num_batched_tokens=64)
+    ids, peak = _generate_peak(engine, prompt, 100)
+    assert len(ids) == 100 and peak <= math.ceil((64 + 16 + 64) / 8)
+
+
+def test_streaming_composes_with_int4(tiny_loaded):
+    engine = _engine(tiny_loaded, "streaming", {"budget": 32}, kv_cache_dtype="int4",
+                     kv_cache_options={"group_size": 16})
+    ids, peak = _generate_peak(engine, list(range(1, 30)), 120)
+    assert len(ids) == 120 and peak <= 8
+
+
+def test_policy_config_errors(tiny_loaded):
+    with pytest.raises(ConfigError, match="unknown kv_policy"):
+        _engine(tiny_loaded, "lru")
+    with pytest.raises(ConfigError, match="needs a budget"):
+        _engine(tiny_loaded, "h2o")
+    with pytest.raises(ConfigError, match="paged"):
+        _engine(tiny_loaded, "window", {"budget": 16}, kv_layout="contiguous", max_model_len=64)
+    assert _engine(tiny_loaded, "window", {"budget": 16}).kv.prefix_tree is None

@@ -1,0 +1,99 @@
+"""Selection functions of the KV policies: which cache indices each one keeps."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from kvforge.errors import ConfigError
+from kvforge.kv.policies import PolicyState, build_policy
+from kvforge.kv.policies.base import top_with_recent
+
+
+def _seq(cache_len: int, computed: int | None = None, prompt_len: int = 0, state=None):
+    computed = cache_len if computed is None else computed
+    return types.SimpleNamespace(cache_len=cache_len, num_computed_tokens=computed,
+                                 prompt_token_ids=[0] * prompt_len, policy_state=state)
+
+
+def test_window_keeps_most_recent():
+    p = build_policy("window", {"budget": 5, "slack": 2})
+    assert p.keep(_seq(7), PolicyState()) is None  # within budget + slack
+    assert p.keep(_seq(8), PolicyState()).tolist() == [3, 4, 5, 6, 7]
+
+
+def test_streaming_keeps_sinks_and_recent():
+    p = build_policy("streaming", {"budget": 8, "sinks": 3, "slack": 0})
+    assert p.keep(_seq(12), PolicyState()).tolist() == [0, 1, 2, 7, 8, 9, 10, 11]
+    assert build_policy("streaming", {"budget": 8, "sinks": 0, "slack": 0}).select(12, 8, PolicyState()).tolist() \
+        == list(range(4, 12))
+
+
+def test_h2o_keeps_heavy_hitters_and_recent():
+    p = build_policy("h2o", {"budget": 4, "recent": 2, "slack": 0})
+    state = PolicyState()
+    attn = torch.tensor([[0.1, 0.5, 0.0, 0.1, 0.3, 0.0, 0.0], [0.0, 0.2, 0.0, 0.6, 0.1, 0.1, 0.0]])
+    p.observe(state, attn)
+    assert torch.allclose(state.scores, attn.sum(0))
+    assert p.keep(_seq(7), state).tolist() == [1, 3, 5, 6]  # 1 and 3 are heavy, 5 and 6 recent
+
+
+def test_scissorhands_counts_persistent_importance():
+    p = build_policy("scissorhands", {"budget": 3, "recent": 1, "slack": 0, "history": 2})
+    state = PolicyState()
+    # 4 keys, rows see 3 then 4 keys; threshold is 1/visible
+    p.observe(state, torch.tensor([[0.2, 0.7, 0.1, 0.0], [0.6, 0.3, 0.05, 0.05]]))
+    assert state.history.tolist() == [[0, 1, 0, 0], [1, 1, 0, 0]]
+    p.observe(state, torch.tensor([[0.5, 0.05, 0.4, 0.05]]))  # history 2: the first row falls out
+    assert state.history.tolist() == [[1, 1, 0, 0], [1, 0, 1, 0]]
+    assert p.keep(_seq(4), state).tolist() == [0, 2, 3]  # 0 persisted; 1 and 2 tie, the newer wins; 3 is recent
+
+
+def test_snapkv_pools_votes_of_the_window_once():
+    p = build_policy("snapkv", {"budget": 4, "window": 2, "kernel": 3, "pooling": "max"})
+    state = PolicyState()
+    seq = _seq(10, prompt_len=10, state=state)
+    assert p.attention_rows(_seq(0, prompt_len=10, state=state), 10) == 2
+    assert p.attention_rows(_seq(0, prompt_len=20, state=state), 10) == 0  # the chunk does not end the prompt
+    votes = torch.zeros(2, 10)
+    votes[0, 3] = 1.0  # pooled with kernel 3: 2, 3, 4 tie at 1
+    votes[1, 8] = votes[1, 9] = 0.5
+    p.observe(state, votes)
+    keep = p.keep(seq, state)
+    assert len(keep) == 4 and keep[-2:].tolist() == [8, 9] and set(keep[:2].tolist()) <= {2, 3, 4}
+    assert p.attention_rows(seq, 1) == 0 and p.keep(_seq(11, prompt_len=10, state=state), state) is None
+
+
+def test_fraction_budget_follows_length():
+    p = build_policy("h2o", {"budget": 0.5, "slack": 0})
+    assert p.budget_for(100) == 50 and p.budget_for(3) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 80), st.integers(1, 80), st.integers(0, 80), st.integers(0, 2**31))
+def test_top_with_recent_is_sorted_unique_and_has_recent(length, budget, num_recent, seed):
+    scores = torch.rand(length, generator=torch.Generator().manual_seed(seed))
+    keep = top_with_recent(scores, budget, num_recent)
+    assert keep.tolist() == sorted(set(keep.tolist())) and len(keep) == min(budget, length)
+    r = min(num_recent, budget, length)
+    assert set(range(length - r, length)) <= set(keep.tolist())
+    if budget < length:
+        heavy = [i for i in keep.tolist() if i < length - r]
+        others = [i for i in range(length - r) if i not in heavy]
+        assert not heavy or not others or scores[heavy].min() >= scores[others].max()
+
+
+@pytest.mark.parametrize("name,options", [("streaming", {"budget": 0.5}), ("streaming", {"budget": 4, "sinks": 4}),
+                                          ("h2o", {"budget": 0}), ("window", {"budget": 1.5}),
+                                          ("snapkv", {"budget": 8, "kernel": 4}), ("window", {"budget": 8, "bogus": 1})])
+def test_bad_options_are_config_errors(name, options):
+    with pytest.raises(ConfigError):
+        build_policy(name, options)
+
+
+def test_sliding_window_models_default_to_window():
+    p = build_policy(None, None, sliding_window=24)
+    assert p.name == "window" and p.budget == 24
+    assert build_policy(None).name == "full" and not build_policy(None).evicts
