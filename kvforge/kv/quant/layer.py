@@ -127,7 +127,7 @@ class QuantLayerKV(LayerKV):
     # ---- read -------------------------------------------------------------------------------
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bids = block_ids.long()
-        out = [c.decode([p[bids] for p in ps]) for c, ps in zip(self.codecs, self.parts)]
+        out = [c.decode([p.index_select(0, bids) for p in ps]) for c, ps in zip(self.codecs, self.parts)]
         for table, exact, n in ((self.stage, self.stage_rows, self.bs), (self.sink, self.sink_rows, self.sinks)):
             if table is None:
                 continue
