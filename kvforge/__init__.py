@@ -20,4 +20,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "KVForgeError"]
+__all__ = ["LLM", "EngineConfig", "KVForgeError", "LLMEngine", "RequestOutput", "SamplingParams"]

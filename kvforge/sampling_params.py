@@ -1,6 +1,7 @@
 """SamplingParams: how one request is decoded (vLLM-shaped), validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvforge.errors import InvalidRequestError
@@ -45,4 +46,4 @@ class SamplingParams:
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)

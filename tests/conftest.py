@@ -2,7 +2,7 @@ import os
 import sys
 
 import pytest
-import torch  # noqa: F401
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 

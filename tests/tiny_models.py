@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=512, rope_theta=10000.0)
+TINY = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "max_position_embeddings": 512, "rope_theta": 10000.0}
 
 
 def hf_config(kind: str):

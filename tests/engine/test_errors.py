@@ -85,7 +85,8 @@ def test_corrupt_safetensors(tmp_path, tiny_dir):
     import shutil
 
     shutil.copy(f"{tiny_dir}/config.json", tmp_path / "config.json")
-    data = open(f"{tiny_dir}/model.safetensors", "rb").read()
+    with open(f"{tiny_dir}/model.safetensors", "rb") as f:
+        data = f.read()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match="truncated or corrupt"):
         load_model(str(tmp_path))

@@ -33,7 +33,7 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
     logical = torch.zeros(0, dtype=torch.long)  # logical position of each cached token
     state = PolicyState()
     seq = types.SimpleNamespace(num_computed_tokens=0, num_evicted=0, prompt_token_ids=tokens, policy_state=state)
-    seq_len = lambda: seq.num_computed_tokens - seq.num_evicted  # noqa: E731
+    seq_len = lambda: seq.num_computed_tokens - seq.num_evicted
     out = []
     for start in range(0, len(tokens), chunk):
         ids = torch.tensor(tokens[start: start + chunk])
@@ -72,8 +72,8 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
 
 
 def _engine(loaded, policy=None, options=None, **kw) -> LLMEngine:
-    cfg = dict(kv_cache_memory=4_000_000, block_size=8, enable_prefix_caching=True, kv_policy=policy,
-               kv_policy_options=options)
+    cfg = {"kv_cache_memory": 4_000_000, "block_size": 8, "enable_prefix_caching": True, "kv_policy": policy,
+               "kv_policy_options": options}
     return LLMEngine(EngineConfig(**{**cfg, **kw}), loaded)
 
 

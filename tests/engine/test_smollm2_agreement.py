@@ -1,7 +1,7 @@
 """Greedy output token-for-token identical to transformers on the real SmolLM2 (same GGUF, fp32)."""
 import pytest
-
 from hf_reference import hf_greedy
+
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.sampling_params import SamplingParams
@@ -16,14 +16,14 @@ PROMPTS = [
     "List three colours:",
     "The KV cache stores the keys and values of every past token so that each decoding step",
     "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
-    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer "
-    "The slings and arrows of outrageous fortune, Or to take arms against a sea of troubles",
+    ("To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer "
+    "The slings and arrows of outrageous fortune, Or to take arms against a sea of troubles"),
     "Water",
-    "The GNU General Public License is a free, copyleft license for software and other kinds of works. "
+    ("The GNU General Public License is a free, copyleft license for software and other kinds of works. "
     "The licenses for most software and other practical works are designed to take away your freedom to "
     "share and change the works. By contrast, the GNU General Public License is intended to guarantee your "
     "freedom to share and change all versions of a program--to make sure it remains free software for all "
-    "its users. We, the Free Software Foundation, use the GNU General Public License for most of our software;",
+    "its users. We, the Free Software Foundation, use the GNU General Public License for most of our software;"),
     "In mathematics, a prime number is",
 ]
 
@@ -66,6 +66,6 @@ def test_under_preemption_matches_transformers(smol_loaded, prompt_ids, referenc
 
 
 def test_small_prefill_chunks_match_transformers(smol_loaded, prompt_ids, reference):
-    outs, engine = run_batch(smol_loaded, prompt_ids, kv_cache_memory=64 << 20, max_num_batched_tokens=7,
+    outs, _engine = run_batch(smol_loaded, prompt_ids, kv_cache_memory=64 << 20, max_num_batched_tokens=7,
                              max_model_len=1024)
     assert outs == reference

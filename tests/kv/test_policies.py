@@ -5,7 +5,8 @@ import types
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvforge.errors import ConfigError
 from kvforge.kv.policies import PolicyState, build_policy

@@ -1,12 +1,12 @@
 """kvforge's logits equal transformers' on tiny random models it loads from disk."""
 import pytest
 import torch
+from tiny_models import write_tiny_model
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scoring import position_logits
 from kvforge.models.loader import load_model
-from tiny_models import write_tiny_model
 
 KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "mistral", "qwen2", "qwen3"]
 

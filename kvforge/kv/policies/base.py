@@ -44,7 +44,7 @@ class KVPolicy:
     """
 
     name: ClassVar[str] = "full"
-    registry: ClassVar[dict[str, type["KVPolicy"]]] = {}
+    registry: ClassVar[dict[str, type[KVPolicy]]] = {}
     needs_attention: ClassVar[bool] = False
     rope_by_cache_index: ClassVar[bool] = False  # True: RoPE positions are cache indices (unbounded context)
 
