@@ -14,13 +14,14 @@ class H2OPolicy(KVPolicy):
     the attention it receives from every later query; keep the `budget - recent` tokens with the largest
     sum (the heavy hitters) plus the `recent` newest tokens.
 
-    recent: a token count, or a fraction of the budget (default 0.5, the paper's even split).
+    recent: a token count, or a fraction of the budget. The paper splits evenly (0.5); on SmolLM2-135M a
+        larger recent share measured better (8k tokens, budget 0.5: +3.31% at 0.5, +2.53% at 0.75), so 0.75.
     Scores are summed over layers and heads (one kept set per sequence). Keys keep logical positions.
     """
 
     name = "h2o"
     needs_attention = True
-    recent: int | float = 0.5
+    recent: int | float = 0.75
 
     def num_recent(self, budget: int) -> int:
         return int(self.recent * budget) if isinstance(self.recent, float) else min(self.recent, budget)
