@@ -16,6 +16,9 @@ from kvforge.kv.formats import LayerKV
 from kvforge.kv.policies.stats import record_decode, record_prefill
 
 
+DECODE_BUCKETS = 4
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
@@ -39,33 +42,47 @@ class AttentionMetadata:
         self.decode_rows = [i for i, n in enumerate(self.query_lens) if n == 1]
         self.prefill_rows = [i for i, n in enumerate(self.query_lens) if n != 1]
         self._decode_cache = None
+        self._groups_cache = None
         self.attn_sums: dict[int, torch.Tensor] = {}  # row -> [k, context_len], summed over heads and layers
 
     def decode_layout(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Padded block table, key mask and query row index for the batched decode path."""
+        """Padded block table, key mask and query row index of all decode rows at once."""
         if self._decode_cache is None:
-            rows = self.decode_rows
-            width = max(len(self.block_tables[i]) for i in rows)
-            table = torch.zeros(len(rows), width, dtype=torch.long)
-            for r, i in enumerate(rows):
-                table[r, : len(self.block_tables[i])] = torch.tensor(self.block_tables[i])
-            ctx = torch.tensor([self.context_lens[i] for i in rows])
-            key_pos = torch.arange(width * self.block_size)
-            valid = key_pos[None, :] < ctx[:, None]
-            if self.sliding_window:
-                valid &= key_pos[None, :] >= (ctx[:, None] - self.sliding_window)
-            q_index = torch.tensor([self.query_start_loc[i] for i in rows])
-            self._decode_cache = (table.to(device), valid.to(device), q_index.to(device))
+            self._decode_cache = self._layout(self.decode_rows, device)
         return self._decode_cache
+
+    def decode_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Decode rows bucketed by length (rows, table, mask, query index), so short rows are not padded to long ones."""
+        if self._groups_cache is None:
+            rows = sorted(self.decode_rows, key=lambda i: len(self.block_tables[i]))
+            size = max(8, -(-len(rows) // DECODE_BUCKETS))
+            self._groups_cache = [(part, *self._layout(part, device))
+                                  for part in (rows[s: s + size] for s in range(0, len(rows), size))]
+        return self._groups_cache
+
+    def _layout(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        width = max(len(self.block_tables[i]) for i in rows)
+        table = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, i in enumerate(rows):
+            table[r, : len(self.block_tables[i])] = torch.tensor(self.block_tables[i])
+        ctx = torch.tensor([self.context_lens[i] for i in rows])
+        key_pos = torch.arange(width * self.block_size)
+        valid = key_pos[None, :] < ctx[:, None]
+        if self.sliding_window:
+            valid &= key_pos[None, :] >= (ctx[:, None] - self.sliding_window)
+        q_index = torch.tensor([self.query_start_loc[i] for i in rows])
+        return table.to(device), valid.to(device), q_index.to(device)
 
 
 def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, dim] -> [T, heads, v_dim] attention output over the cached history."""
     out = None
     if meta.decode_rows:
-        dec = _decode(q, cache, meta, scale)
-        out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
-        out[meta.decode_layout(q.device)[2]] = dec
+        for rows, table, valid, q_index in meta.decode_groups(q.device):
+            dec = _decode(q, cache, meta, scale, rows, table, valid, q_index)
+            if out is None:
+                out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
+            out[q_index] = dec
     for i in meta.prefill_rows:
         start, n = meta.query_start_loc[i], meta.query_lens[i]
         res = _prefill_one(q[start : start + n], cache, meta, i, scale)
@@ -75,8 +92,8 @@ def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: floa
     return out
 
 
-def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    table, valid, q_index = meta.decode_layout(q.device)
+def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rows: list[int],
+            table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor) -> torch.Tensor:
     b, width = table.shape
     k, v = cache.gather(table.flatten())
     kv_heads, length = k.shape[1], width * meta.block_size
@@ -91,7 +108,7 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
         if meta.collect:
             acc = probs.sum(1) if acc is None else acc + probs.sum(1)
     if acc is not None:
-        record_decode(meta, acc)
+        record_decode(meta, rows, acc)
     return torch.stack(out, 1).reshape(b, -1, v.shape[-1])
 
 

@@ -165,7 +165,7 @@ def attend_latent(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scal
         if getattr(meta, "collect", None):
             from kvforge.kv.policies.stats import record_decode
 
-            record_decode(meta, probs.sum(1))
+            record_decode(meta, meta.decode_rows, probs.sum(1))
     for i in meta.prefill_rows:
         start, n, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
         blocks = torch.tensor(meta.block_tables[i][: -(-ctx // meta.block_size)], device=q.device)

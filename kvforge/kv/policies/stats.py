@@ -15,9 +15,9 @@ def _add(meta, row: int, attn: torch.Tensor) -> None:
     meta.attn_sums[row] = attn if prev is None else prev + attn
 
 
-def record_decode(meta, probs_sum: torch.Tensor) -> None:
-    """probs_sum: [decode rows, padded keys], the decode softmax summed over one layer's heads."""
-    for r, i in enumerate(meta.decode_rows):
+def record_decode(meta, rows: list[int], probs_sum: torch.Tensor) -> None:
+    """probs_sum: [len(rows), padded keys], the decode softmax of those rows summed over one layer's heads."""
+    for r, i in enumerate(rows):
         if meta.collect.get(i):
             _add(meta, i, probs_sum[r, : meta.context_lens[i]][None].float())
 
