@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from kvforge.kv.formats import LayerKV
 from kvforge.kv.policies.stats import record_decode, record_prefill
 
-
 DECODE_BUCKETS = 4
 
 
