@@ -96,8 +96,7 @@ class KVCacheManager:
         if full == 0:
             return
         tokens = seq.token_ids[: full * self.block_size]
-        self.prefix_tree.insert(tokens, seq.block_table[:full], salt=seq.cache_salt)
-        node = self.prefix_tree.match_prefix(tokens, salt=seq.cache_salt).node
+        _, node = self.prefix_tree.insert_path(tokens, seq.block_table[:full], salt=seq.cache_salt)
         self.prefix_tree.lock(node)
         if seq.prefix_node is not None:
             self.prefix_tree.unlock(seq.prefix_node)

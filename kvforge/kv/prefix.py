@@ -132,12 +132,17 @@ class PrefixTree:
         The tree takes one reference on the blocks of the new part. Where the prefix is already
         cached, the tree keeps its own blocks and takes no reference on the caller's duplicates.
         """
+        return self.insert_path(tokens, block_ids, salt)[0]
+
+    def insert_path(self, tokens: Sequence[int], block_ids: Sequence[int], salt: str | None = None
+                    ) -> tuple[int, RadixNode | None]:
+        """As `insert`, also returning the node that ends at the last whole block (None if there is none)."""
         bs = self.block_size
         nb = len(tokens) // bs
         if len(block_ids) < nb:
             raise ValueError(f"{len(tokens)} tokens fill {nb} blocks of {bs}, got only {len(block_ids)} block ids")
         if nb == 0:
-            return 0
+            return 0, None
         self._clock += 1
         node = self._salts.get(salt)
         if node is None:
@@ -154,14 +159,14 @@ class PrefixTree:
                 self._leaves.discard(node)
                 self._leaves.add(leaf)
                 self.cached_blocks += len(new)
-                return pos
+                return pos, leaf
             k = self._common_blocks(child, tokens, pos)
             if k < len(child.block_ids):
                 child = self._split(child, k)
             child.last_access = self._clock
             pos += k * bs
             node = child
-        return pos
+        return pos, node
 
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Cut `node` after its first k blocks; returns the new head, `node` keeps the tail."""
