@@ -13,15 +13,14 @@ from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.sequence import SequenceStatus
 from kvforge.kv.formats import KVFormat, get_format
-from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, bytes_per_token, side_bytes
+from kvforge.kv.memory import budget_for, bytes_per_token, side_bytes
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
 
 
 def sequences_that_fit(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget: int, seq_len: int) -> int:
-    per_seq = blocks_for_tokens(seq_len, block_size) * bytes_per_block(spec, fmt, block_size)
     n = 0
-    while (n + 1) * per_seq + side_bytes(spec, fmt, block_size, n + 1) <= budget:
+    while budget_for(spec, fmt, block_size, seq_len, n + 1) <= budget:
         n += 1
     return n
 
@@ -62,9 +61,7 @@ def decode_tok_s(loaded, dtype: str, context: int, batch: int, steps: int, block
 
 
 def _budget_for(loaded, dtype: str, block_size: int, tokens: int, batch: int) -> int:
-    spec, fmt = KVCacheSpec.from_model_config(loaded.config), get_format(dtype)
-    return (batch * blocks_for_tokens(tokens, block_size) + 1) * bytes_per_block(spec, fmt, block_size) \
-        + side_bytes(spec, fmt, block_size, batch)
+    return budget_for(KVCacheSpec.from_model_config(loaded.config), get_format(dtype), block_size, tokens, batch, 1)
 
 
 def kv_formats_bench(loaded, formats: list[str] | None = None, budget: int = 1 << 30, seq_len: int = 2048,

@@ -11,7 +11,7 @@ from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scoring import iter_chunk_logits
 from kvforge.errors import PromptTooLongError
 from kvforge.kv.formats import get_format
-from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, bytes_per_token, side_bytes
+from kvforge.kv.memory import budget_for, bytes_per_token
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
 
@@ -48,8 +48,7 @@ def engine_for(loaded, num_tokens: int, block_size: int = 16, **options) -> LLME
     spec = KVCacheSpec.from_model_config(loaded.config)
     fmt = get_format(options.get("kv_cache_dtype", "fp32"), **(options.get("kv_cache_options") or {}))
     cache_tokens = min(num_tokens, loaded.config.max_position_embeddings)  # streaming runs past it in a bounded cache
-    budget = (blocks_for_tokens(cache_tokens, block_size) + 4) * bytes_per_block(spec, fmt, block_size) \
-        + side_bytes(spec, fmt, block_size, EVAL_MAX_SEQS)
+    budget = budget_for(spec, fmt, block_size, cache_tokens, EVAL_MAX_SEQS, spare_blocks=4)
     max_len = min(num_tokens + 1, loaded.config.max_position_embeddings)
     return LLMEngine(EngineConfig(kv_cache_memory=budget, block_size=block_size, max_model_len=max_len,
                                   max_num_seqs=EVAL_MAX_SEQS, enable_prefix_caching=False, **options), loaded)

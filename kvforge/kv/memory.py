@@ -41,3 +41,10 @@ def num_blocks_for_budget(spec: KVCacheSpec, fmt: KVFormat, block_size: int, bud
 def pool_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, num_blocks: int, max_num_seqs: int = 1) -> int:
     """Exactly what a pool of num_blocks allocates."""
     return num_blocks * bytes_per_block(spec, fmt, block_size) + side_bytes(spec, fmt, block_size, max_num_seqs)
+
+
+def budget_for(spec: KVCacheSpec, fmt: KVFormat, block_size: int, tokens_per_seq: int, num_seqs: int = 1,
+               spare_blocks: int = 0) -> int:
+    """The smallest budget that holds num_seqs sequences of tokens_per_seq (plus spare blocks)."""
+    blocks = num_seqs * blocks_for_tokens(tokens_per_seq, block_size) + spare_blocks
+    return pool_bytes(spec, fmt, block_size, blocks, num_seqs)
