@@ -16,6 +16,13 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (e.g. one built over already loaded weights)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

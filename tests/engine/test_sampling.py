@@ -6,9 +6,7 @@ from kvforge.sampling_params import SamplingParams
 
 
 def make_llm(loaded, **kw):
-    llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=4, max_model_len=128, **kw), loaded)
-    return llm
+    return LLM.from_engine(LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=4, max_model_len=128, **kw), loaded))
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_loaded):

@@ -15,9 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm(smol_loaded):
-    llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(EngineConfig(kv_cache_memory=128 << 20, max_model_len=1024), smol_loaded)
-    return llm
+    return LLM.from_engine(LLMEngine(EngineConfig(kv_cache_memory=128 << 20, max_model_len=1024), smol_loaded))
 
 
 def test_text_prompt_and_tokenizer_round_trip(llm):

@@ -59,9 +59,7 @@ def server(smol_loaded):
 @pytest.fixture(scope="session")
 def offline(smol_loaded) -> LLM:
     """The offline LLM API on its own engine over the same loaded weights."""
-    llm = LLM.__new__(LLM)
-    llm.engine = make_engine(smol_loaded)
-    return llm
+    return LLM.from_engine(make_engine(smol_loaded))
 
 
 @pytest.fixture()
