@@ -141,7 +141,7 @@ def _speed(loaded, workload: list, options: dict[str, Any]) -> float:
 
 
 def measure(loaded, candidates: list[Candidate], text: str, eval_tokens: int = 1024, priority: str = "balanced",
-            max_quality_loss: float = 1.0, chunk_size: int = 128, requests: int = 4, output_tokens: int = 32,
+            max_quality_loss: float = 1.0, chunk_size: int | None = None, requests: int = 4, output_tokens: int = 32,
             shared_prefix: bool = False, seed: int = 0, text_name: str = "", log: Callable[[str], None] | None = None) -> Measurement:
     from kvforge.bench.workload import random_workload
     from kvforge.eval.ppl import perplexity

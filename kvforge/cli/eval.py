@@ -18,7 +18,8 @@ def register(sub) -> None:
     ppl.add_argument("--text", default="hamlet", help="hamlet, macbeth, hamlet+macbeth, gpl-3, ...")
     ppl.add_argument("--text-file", default=None)
     ppl.add_argument("--max-tokens", type=int, default=4096)
-    ppl.add_argument("--chunk-size", type=int, default=128)
+    ppl.add_argument("--chunk-size", type=int, default=None,
+                     help="tokens scored per forward (default: one cache block, which equals token-by-token decode)")
     ppl.add_argument("--agreement-prompts", type=int, default=12, help="greedy agreement prompts (0 = skip)")
     ppl.add_argument("--json", action="store_true")
     ppl.add_argument("--segment", type=int, default=None, help="also report perplexity and peak KV per segment of N tokens")

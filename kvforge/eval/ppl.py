@@ -18,8 +18,9 @@ from kvforge.sampling_params import SamplingParams
 EVAL_MAX_SEQS = 1  # formats size their fp16 staging per sequence: one sequence is what a real one gets
 
 
-def perplexity(engine: LLMEngine, token_ids: list[int], chunk_size: int = 128, segment: int | None = None) -> dict:
+def perplexity(engine: LLMEngine, token_ids: list[int], chunk_size: int | None = None, segment: int | None = None) -> dict:
     """Perplexity of token_ids[1:] given their prefixes; optionally per segment of `segment` tokens."""
+    chunk_size = chunk_size or engine.kv.block_size
     targets = torch.tensor(token_ids)
     nll = torch.zeros(len(token_ids) - 1, dtype=torch.float64)
     kv, seg_peaks, t0 = engine.kv, [], time.perf_counter()
@@ -71,7 +72,7 @@ def greedy_agreement(base: LLMEngine, other: LLMEngine, prompts: list[list[int]]
             "prompts": len(prompts), "max_tokens": max_tokens}
 
 
-def ppl_eval(loaded, text: str, max_tokens: int = 4096, chunk_size: int = 128, agreement_prompts: int = 12,
+def ppl_eval(loaded, text: str, max_tokens: int = 4096, chunk_size: int | None = None, agreement_prompts: int = 12,
              agreement_tokens: int = 64, segment: int | None = None, **options) -> dict:
     """The format/policy's perplexity and the fp32 full-cache baseline, in one run on one text."""
     ids = loaded.tokenizer.encode(text)[:max_tokens]
@@ -97,7 +98,7 @@ def ppl_eval(loaded, text: str, max_tokens: int = 4096, chunk_size: int = 128, a
         "kv_bytes_per_token": bytes_per_token(other.spec, other.format, other.kv.block_size),
         "kv_bytes_per_token_baseline": bytes_per_token(base.spec, base.format, base.kv.block_size),
         "tokens": len(ids),
-        "chunk_size": chunk_size,
+        "chunk_size": chunk_size or other.kv.block_size,
         "options": {k: v for k, v in options.items()},
         **({"segments": r1["segments"], "segment_peak_kv_bytes": r1["segment_peak_kv_bytes"],
             "segments_baseline": r0["segments"]} if segment else {}),
