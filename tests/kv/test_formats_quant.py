@@ -60,14 +60,28 @@ def test_8bit_log_scales_cover_the_range_and_cost_less(axis):
     x = torch.randn(3, BS, 3, 64) * torch.rand(1, 1, 3, 64) * 5 + torch.randn(1, 1, 3, 64) * 3
     c = UniformCodec(4, axis, group_size=32, param_bits=8)
     parts = c.encode(x)
-    scale = c._scale_zero(parts[1:3])[0]
+    scale = c._scale_zero(parts[1: 1 + c.num_params])[0]
     g, red = c._groups(x)
     span = g.amax(red, keepdim=True) - g.amin(red, keepdim=True)
     scale = scale.unsqueeze(red)
-    assert (scale * 15 >= span - 1e-2).all() and (scale * 15 <= span * 1.082 + 1e-3).all()
+    lo = g.amin(red, keepdim=True)
+    zero_step = (lo.amax(-1, keepdim=True) - lo.amin(-1, keepdim=True)) / 255 if c.coded_zero else 0.0
+    assert (scale * 15 >= span - 1e-2).all() and (scale * 15 <= (span + zero_step) * 1.082 + 1e-2).all()
     err = (c.decode(parts) - x).abs()
     assert (c._groups(err)[0] <= scale * 0.5 * 1.01 + g.abs().amax(red, keepdim=True) * 1e-3).all()
     assert c.block_bytes(BS, 3, 64) < UniformCodec(4, axis, group_size=32).block_bytes(BS, 3, 64)
+
+
+def test_8bit_channel_zeros_sit_at_most_one_grid_step_below_the_minimum():
+    x = torch.randn(2, BS, 3, 64) + torch.randn(1, 1, 3, 64) * 8
+    c = UniformCodec(4, "channel", param_bits=8)
+    parts = c.encode(x)
+    assert [p.dtype for p in parts] == [torch.uint8, torch.uint8, torch.uint8, torch.float16]
+    zero = c._scale_zero(parts[1:4])[1]
+    lo = x.amin(1)
+    grid_step = (lo.amax(-1, keepdim=True) - lo.amin(-1, keepdim=True)) / 255
+    assert (zero <= lo + lo.abs() * 1e-3).all() and (zero >= lo - grid_step * 1.01 - lo.abs() * 1e-3).all()
+    assert c.block_bytes(BS, 3, 64) == BS * 3 * 32 + 3 * 64 * 2 + 3 * 2 * 2
 
 
 def test_uniform_codec_keeps_outliers_exact():

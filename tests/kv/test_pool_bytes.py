@@ -1,10 +1,13 @@
 """The bytes an engine's pools really allocate equal the one formula in kv/memory.py."""
+import math
+
 import pytest
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
-from kvforge.kv.formats import KVFormat
-from kvforge.kv.memory import bytes_per_block, pool_bytes, side_bytes
+from kvforge.kv.formats import KVFormat, get_format
+from kvforge.kv.memory import bytes_per_block, bytes_per_token, pool_bytes, side_bytes
+from kvforge.kv.spec import KVCacheSpec
 
 
 @pytest.mark.parametrize("dtype", sorted(KVFormat.registry))
@@ -27,3 +30,24 @@ def test_smollm2_fp32_bytes_per_token(smol_loaded):
     engine = LLMEngine(EngineConfig(kv_cache_memory=64 << 20, max_model_len=512), smol_loaded)
     assert engine.kv.block_bytes == 16 * 2 * 30 * 3 * 64 * 4  # 46,080 bytes per token
     assert engine.kv.pool.allocated_bytes() == engine.kv.num_blocks * engine.kv.block_bytes
+
+
+SMOL = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, v_head_dim=64)
+TABLES = 2 * 4  # staging and sink block -> entry maps, int32 each
+
+
+def test_int4_block_bytes_counted_by_hand():
+    keys = 16 * 3 * 32 + 3 * 64 * (1 + 1) + 3 * 2 * 2  # nibbles; per channel uint8 scale + uint8 zero; zero grid ends
+    values = 16 * 3 * 32 + 16 * 3 * (1 + 2)  # nibbles; per row one group of 64: uint8 scale + fp16 zero
+    assert bytes_per_block(SMOL, get_format("int4"), 16) == 30 * (keys + values + TABLES)
+    assert bytes_per_token(SMOL, get_format("int4"), 16) == 6787.5
+
+
+def test_kivi2_block_bytes_counted_by_hand():
+    outliers = math.ceil(0.01 * 16 * 3 * 64) * (2 + 2)  # int16 index + fp16 value
+    keys = 16 * 3 * 16 + 3 * 64 * (1 + 1) + 3 * 2 * 2 + outliers
+    values = 16 * 3 * 16 + 16 * 3 * 2 * (1 + 2) + outliers  # two groups of 32 per row
+    assert bytes_per_block(SMOL, get_format("kivi2"), 16) == 30 * (keys + values + TABLES)
+    stage = (128 // 16 + 1) * (16 * 3 * 128 * 2 + 12 + 1)  # fp16 rows of the window + the block being filled
+    sinks = 2 * (4 * 3 * 128 * 2 + 12)
+    assert side_bytes(SMOL, get_format("kivi2"), 16, 1) == 30 * (stage + sinks)

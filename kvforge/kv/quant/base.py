@@ -14,6 +14,7 @@ from kvforge.kv.quant.sidetable import BYTES_PER_BLOCK, BYTES_PER_ENTRY
 from kvforge.kv.spec import KVCacheSpec
 
 SINK_ENTRIES_PER_SEQ = 2
+SCALE_BITS = (8, 16)
 
 
 class QuantFormat(KVFormat):
@@ -72,6 +73,11 @@ class QuantFormat(KVFormat):
 def check_int(fmt: str, option: str, value: object, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(f"{fmt}: option {option} must be an integer >= {low}, got {value!r}")
+
+
+def check_scale_bits(fmt: str, value: object) -> None:
+    if value not in SCALE_BITS:
+        raise ConfigError(f"{fmt}: scale_bits must be one of {SCALE_BITS}, got {value!r}")
 
 
 def check_group(fmt: str, group_size: int, dims: list[int]) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvforge.errors import ConfigError
-from kvforge.kv.quant.base import QuantFormat, check_frac, check_group, check_int
+from kvforge.kv.quant.base import QuantFormat, check_frac, check_group, check_int, check_scale_bits
 from kvforge.kv.quant.codec import Codec
 from kvforge.kv.quant.uniform import UniformCodec
 from kvforge.kv.spec import KVCacheSpec
@@ -43,8 +43,7 @@ class INT4(QuantFormat):
         check_int(self.name, "sinks", self.sinks, 0)
         check_int(self.name, "window", self.window, 0)
         check_frac(self.name, self.outlier_frac)
-        if self.scale_bits not in (8, 16):
-            raise ConfigError(f"int4: scale_bits must be 8 or 16, got {self.scale_bits!r}")
+        check_scale_bits(self.name, self.scale_bits)
         if self.key_axis not in KEY_AXES:
             raise ConfigError(f"int4: key_axis must be one of {KEY_AXES}, got {self.key_axis!r}")
 

@@ -9,12 +9,14 @@ Small models need more than plain KIVI:
                 `positions` passed to LayerKV.write; they are also excluded from the block's ranges.
   outlier_frac  per block, that fraction of values farthest from their group's mean kept fp16
                 with a flat index (KVQuant's dense-and-sparse split, Hooper et al. 2024).
+  scale_bits    8 (default): group scales as uint8 log2 codes, per-channel key zeros as uint8 codes
+                (see uniform.py); 16: scale and zero in fp16.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvforge.kv.quant.base import QuantFormat, check_frac, check_group, check_int
+from kvforge.kv.quant.base import QuantFormat, check_frac, check_group, check_int, check_scale_bits
 from kvforge.kv.quant.codec import Codec
 from kvforge.kv.quant.uniform import UniformCodec
 from kvforge.kv.spec import KVCacheSpec
@@ -27,16 +29,18 @@ class KIVI2(QuantFormat):
     window: int = 128
     sinks: int = 4
     outlier_frac: float = 0.01
+    scale_bits: int = 8
 
     def __post_init__(self) -> None:
         check_int(self.name, "group_size", self.group_size, 2)
         check_int(self.name, "window", self.window, 0)
         check_int(self.name, "sinks", self.sinks, 0)
         check_frac(self.name, self.outlier_frac)
+        check_scale_bits(self.name, self.scale_bits)
 
     def codecs(self, spec: KVCacheSpec) -> tuple[Codec, Codec | None]:
-        k = UniformCodec(2, "channel", self.group_size, self.outlier_frac)
-        v = UniformCodec(2, "token", self.group_size, self.outlier_frac) if spec.has_values else None
+        k = UniformCodec(2, "channel", self.group_size, self.outlier_frac, self.scale_bits)
+        v = UniformCodec(2, "token", self.group_size, self.outlier_frac, self.scale_bits) if spec.has_values else None
         return k, v
 
     def validate(self, spec: KVCacheSpec, block_size: int) -> None:

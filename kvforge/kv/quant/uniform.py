@@ -5,8 +5,9 @@ codes are bit-packed, scale and zero are fp16. Optional dense-and-sparse outlier
 Hooper et al. 2024): per block the `outlier_frac` values farthest from their group mean are kept
 in fp16 (with their flat index) and excluded from the group's range.
 With `param_bits=8` the scale is stored as a uint8 code on a log2 grid (9 steps per octave, rounded
-up so the group's range stays covered; steps grow by at most 8%) next to the fp16 zero: 3 bytes per
-group instead of 4.
+up so the group's range stays covered; steps grow by at most 8%). Per-channel zeros are uint8 codes
+too, rounded down on a linear grid spanning the block's zeros of that head (the grid's two ends are
+fp16): 2 bytes per group instead of 4. Per-token zeros stay fp16 (one group per row has no grid to share).
 """
 from __future__ import annotations
 
@@ -38,8 +39,12 @@ class UniformCodec(Codec):
             param = (block_size, heads, dim // self.group_size)
         else:
             param = (heads, dim)
-        scale_dtype = torch.uint8 if self.param_bits == 8 else PARAM_DTYPE
-        parts = [codes, (param, scale_dtype), (param, PARAM_DTYPE)]
+        if self.param_bits == 16:
+            parts = [codes, (param, PARAM_DTYPE), (param, PARAM_DTYPE)]
+        elif self.axis == "token":
+            parts = [codes, (param, torch.uint8), (param, PARAM_DTYPE)]
+        else:
+            parts = [codes, (param, torch.uint8), (param, torch.uint8), ((heads, 2), PARAM_DTYPE)]
         n_out = self.num_outliers(block_size, heads, dim)
         if n_out:
             index_dtype = torch.int16 if block_size * heads * dim <= 2**15 else torch.int32
@@ -69,13 +74,14 @@ class UniformCodec(Codec):
         lo = lo_g.amin(red, keepdim=True)
         hi = self._groups(hi_src)[0].amax(red, keepdim=True)
         lo, hi = lo.nan_to_num(0.0, 0.0, 0.0), hi.nan_to_num(0.0, 0.0, 0.0)
-        zero = lo.to(PARAM_DTYPE)
-        scale = (hi - zero.float()) / self.levels
+        zero_parts = self._encode_zero(lo.squeeze(red))
+        zero = self._decode_zero(zero_parts).unsqueeze(red)
+        scale = (hi - zero) / self.levels
         if self.param_bits == 8:
             code = ((scale.clamp_min(2.0 ** LOG_MIN).log2() - LOG_MIN) * LOG_STEPS).ceil_().clamp_(0, 255)
-            params = [code.to(torch.uint8).squeeze(red), zero.squeeze(red)]
+            params = [code.to(torch.uint8).squeeze(red)] + zero_parts
         else:
-            params = [scale.clamp_min(MIN_SCALE).to(PARAM_DTYPE).squeeze(red), zero.squeeze(red)]
+            params = [scale.clamp_min(MIN_SCALE).to(PARAM_DTYPE).squeeze(red)] + zero_parts
         scale, zero = self._scale_zero(params)
         g = self._groups(x)[0]
         q = ((g - zero.unsqueeze(red)) / scale.unsqueeze(red)).round_().clamp_(0, self.levels).view(x.shape)
@@ -85,17 +91,47 @@ class UniformCodec(Codec):
             parts += [index.to(self.layout(*x.shape[1:])[-2][1]), values.to(PARAM_DTYPE)]
         return parts
 
+    @property
+    def coded_zero(self) -> bool:
+        return self.param_bits == 8 and self.axis == "channel"
+
+    def _encode_zero(self, lo: torch.Tensor) -> list[torch.Tensor]:
+        """Zero parts from each group's minimum; the decoded zero never exceeds it by more than fp16 rounding."""
+        if not self.coded_zero:
+            return [lo.to(PARAM_DTYPE)]
+        ends = torch.stack([lo.amin(-1), lo.amax(-1)], -1).to(PARAM_DTYPE)  # [n, heads, 2]
+        base, step = self._zero_grid(ends)
+        code = ((lo - base) / step).floor_().clamp_(0, 255)
+        return [code.to(torch.uint8), ends]
+
+    @staticmethod
+    def _zero_grid(ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ends = ends.float()
+        base = ends[..., :1]
+        return base, ((ends[..., 1:] - base) / 255).clamp_min(MIN_SCALE)
+
+    def _decode_zero(self, zero_parts: list[torch.Tensor]) -> torch.Tensor:
+        if not self.coded_zero:
+            return zero_parts[0].float()
+        base, step = self._zero_grid(zero_parts[1])
+        return base + zero_parts[0].float() * step
+
+    @property
+    def num_params(self) -> int:
+        return 3 if self.coded_zero else 2
+
     def _scale_zero(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 scale and zero per group from the stored parameter parts."""
+        zero = self._decode_zero(params[1:])
         if self.param_bits == 8:
-            return torch.exp2(params[0].float() / LOG_STEPS + LOG_MIN), params[1].float()
-        return params[0].float(), params[1].float()
+            return torch.exp2(params[0].float() / LOG_STEPS + LOG_MIN), zero
+        return params[0].float(), zero
 
     def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
         q = unpack(parts[0], self.bits).float()
-        scale, zero = self._scale_zero(parts[1:3])
+        scale, zero = self._scale_zero(parts[1: 1 + self.num_params])
         g, red = self._groups(q)
         x = (g * scale.unsqueeze(red) + zero.unsqueeze(red)).view(q.shape)
-        if len(parts) > 3:
+        if len(parts) > 1 + self.num_params:
             x.view(x.shape[0], -1).scatter_(1, parts[-2].long(), parts[-1].float())
         return x
