@@ -1,7 +1,9 @@
-"""KV formats side by side: bytes per token, how many 2k-token sequences fit one budget, decode speed.
+"""KV formats side by side: bytes per token, how many 2k-token sequences fit one budget, decode speed,
+and optionally decode-faithful perplexity: memory, quality and speed of each format in one run.
 
-Decode speed is measured at a fixed context with the cache filled by the format's own write path
-(random K/V rows, so no prefill is needed: attention reads the same bytes whatever they hold).
+Formats are given as specs, `int4` or `int4:{"group_size": 32}`, so group sizes and windows can be
+swept. Decode speed is measured at a fixed context with the cache filled by the format's own write
+path (random K/V rows, so no prefill is needed: attention reads the same bytes whatever they hold).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.sequence import SequenceStatus
-from kvforge.kv.formats import KVFormat, get_format
+from kvforge.kv.formats import KVFormat, get_format, parse_format_spec
 from kvforge.kv.memory import budget_for, bytes_per_token, side_bytes
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
@@ -29,9 +31,9 @@ def sequences_that_fit(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget
 def fill_synthetic(engine: LLMEngine, context: int, batch: int, seed: int = 0) -> None:
     """Admit `batch` requests whose first context-1 tokens are already in the cache (random K/V)."""
     gen = torch.Generator().manual_seed(seed)
-    spec, kv = engine.spec, engine.kv
+    spec, kv, vocab = engine.spec, engine.kv, engine.model_config.vocab_size
     for b in range(batch):
-        prompt = torch.randint(100, engine.model_config.vocab_size, (context,), generator=gen).tolist()
+        prompt = torch.randint(min(100, vocab // 2), vocab, (context,), generator=gen).tolist()  # past special ids
         rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True))
         seq = engine.requests[rid]
         engine.scheduler.waiting.remove(seq)
@@ -48,10 +50,13 @@ def fill_synthetic(engine: LLMEngine, context: int, batch: int, seed: int = 0) -
         engine.scheduler.running.append(seq)
 
 
-def decode_tok_s(loaded, dtype: str, context: int, batch: int, steps: int, block_size: int) -> float:
-    engine = LLMEngine(EngineConfig(kv_cache_dtype=dtype, block_size=block_size, max_num_seqs=batch,
-                                    kv_cache_memory=_budget_for(loaded, dtype, block_size, context + steps + 8, batch),
-                                    max_model_len=context + steps + 8, enable_prefix_caching=False), loaded)
+def decode_tok_s(loaded, dtype: str, context: int, batch: int, steps: int, block_size: int,
+                 options: dict | None = None) -> float:
+    spec = KVCacheSpec.from_model_config(loaded.config)
+    budget = budget_for(spec, get_format(dtype, **(options or {})), block_size, context + steps + 8, batch, 1)
+    engine = LLMEngine(EngineConfig(kv_cache_dtype=dtype, kv_cache_options=options, block_size=block_size,
+                                    max_num_seqs=batch, kv_cache_memory=budget, max_model_len=context + steps + 8,
+                                    enable_prefix_caching=False), loaded)
     fill_synthetic(engine, context, batch)
     engine.step()  # the last prompt token: first decode-shaped step, warms up
     start = time.perf_counter()
@@ -60,27 +65,38 @@ def decode_tok_s(loaded, dtype: str, context: int, batch: int, steps: int, block
     return batch * steps / (time.perf_counter() - start)
 
 
-def _budget_for(loaded, dtype: str, block_size: int, tokens: int, batch: int) -> int:
-    return budget_for(KVCacheSpec.from_model_config(loaded.config), get_format(dtype), block_size, tokens, batch, 1)
+def perplexities(loaded, specs: dict[str, tuple[str, dict]], ids: list[int]) -> tuple[float, dict[str, float]]:
+    """fp32-cache baseline and each format's decode-faithful perplexity on ids (as kvforge eval ppl scores)."""
+    from kvforge.eval.ppl import engine_for, perplexity
+
+    base = perplexity(engine_for(loaded, len(ids)), ids)["ppl"]
+    ppl = {label: perplexity(engine_for(loaded, len(ids), kv_cache_dtype=name, kv_cache_options=opts), ids)["ppl"]
+           for label, (name, opts) in specs.items()}
+    return base, ppl
 
 
 def kv_formats_bench(loaded, formats: list[str] | None = None, budget: int = 1 << 30, seq_len: int = 2048,
-                     batch: int = 4, steps: int = 16, block_size: int = 16) -> dict:
+                     batch: int = 4, steps: int = 16, block_size: int = 16, quality_ids: list[int] | None = None) -> dict:
     spec = KVCacheSpec.from_model_config(loaded.config)
-    formats = formats or list(KVFormat.registry)
+    specs = {text: parse_format_spec(text) for text in (formats or list(KVFormat.registry))}
+    base16 = sequences_that_fit(spec, get_format("fp16"), block_size, budget, seq_len)
+    fp32 = decode_tok_s(loaded, "fp32", seq_len, batch, steps, block_size)
     rows = {}
-    for name in formats:
-        fmt = get_format(name)
-        rows[name] = {
-            "bytes_per_token": bytes_per_token(spec, fmt, block_size),
-            "side_bytes_per_seq": side_bytes(spec, fmt, block_size, 1),
-            "sequences_fit": sequences_that_fit(spec, fmt, block_size, budget, seq_len),
-        }
-    base16 = rows.get("fp16", {}).get("sequences_fit") or sequences_that_fit(spec, get_format("fp16"), block_size, budget, seq_len)
-    speed = {name: decode_tok_s(loaded, name, seq_len, batch, steps, block_size) for name in ["fp32"] + formats}
-    for name, row in rows.items():
-        row["capacity_ratio_vs_fp16"] = row["sequences_fit"] / base16
-        row["decode_tok_s"] = speed[name]
-        row["decode_slowdown_vs_fp32"] = 1 - speed[name] / speed["fp32"]
-    return {"budget_bytes": budget, "seq_len": seq_len, "batch": batch, "decode_steps": steps,
-            "threads": torch.get_num_threads(), "formats": rows}
+    for label, (name, opts) in specs.items():
+        fmt = get_format(name, **opts)
+        fit = sequences_that_fit(spec, fmt, block_size, budget, seq_len)
+        speed = decode_tok_s(loaded, name, seq_len, batch, steps, block_size, opts)
+        rows[label] = {"bytes_per_token": bytes_per_token(spec, fmt, block_size),
+                       "side_bytes_per_seq": side_bytes(spec, fmt, block_size, 1),
+                       "sequences_fit": fit, "capacity_ratio_vs_fp16": fit / base16,
+                       "decode_tok_s": speed, "decode_slowdown_vs_fp32": 1 - speed / fp32}
+    result = {"budget_bytes": budget, "seq_len": seq_len, "batch": batch, "decode_steps": steps,
+              "threads": torch.get_num_threads(), "fp16_sequences_fit": base16, "fp32_decode_tok_s": fp32,
+              "formats": rows}
+    if quality_ids:
+        base, ppl = perplexities(loaded, specs, quality_ids)
+        result["quality"] = {"tokens": len(quality_ids), "ppl_baseline": base}
+        for label, p in ppl.items():
+            rows[label]["ppl"] = p
+            rows[label]["delta_pct"] = 100 * (p - base) / base
+    return result

@@ -41,7 +41,11 @@ def register(sub) -> None:
     x.set_defaults(func=run_prefix)
 
     f = bsub.add_parser("kv-formats", help="bytes/token, 2k-token sequences per budget, decode speed for each format")
-    f.add_argument("--formats", nargs="*", default=None)
+    f.add_argument("--formats", nargs="*", default=None,
+                   help='format specs, e.g. int8 int4 \'int4:{"group_size": 32}\' (default: every format)')
+    f.add_argument("--quality-tokens", type=int, default=0,
+                   help="also score perplexity on this many tokens of --text (decode-faithful, vs an fp32 cache)")
+    f.add_argument("--text", default="hamlet", help="text for --quality-tokens (as in kvforge eval ppl)")
     f.add_argument("--budget", default="1GiB")
     f.add_argument("--seq-len", type=int, default=2048)
     f.add_argument("--batch", type=int, default=4)
@@ -125,17 +129,29 @@ def run_prefix(args) -> int:
 
 def run_kv_formats(args) -> int:
     from kvforge.bench.kv_formats import kv_formats_bench
+    from kvforge.eval.texts import load_text
     from kvforge.models.loader import load_model
 
-    r = kv_formats_bench(load_model(args.model), args.formats, parse_size(args.budget), args.seq_len, args.batch, args.steps)
+    loaded = load_model(args.model)
+    ids = loaded.tokenizer.encode(load_text(args.text))[: args.quality_tokens] if args.quality_tokens else None
+    r = kv_formats_bench(loaded, args.formats, parse_size(args.budget), args.seq_len, args.batch, args.steps,
+                         quality_ids=ids)
+    if ids:
+        r["quality"]["text"] = args.text
     if args.json:
         _emit(r, True, [])
         return 0
     print(f"budget {r['budget_bytes'] / 2**30:.2f} GiB, {r['seq_len']}-token sequences, decode at batch {r['batch']}")
-    print(f"{'format':<10} {'B/token':>9} {'seqs fit':>9} {'vs fp16':>8} {'decode tok/s':>13} {'slowdown':>9}")
-    for name, row in r["formats"].items():
-        print(f"{name:<10} {row['bytes_per_token']:>9.0f} {row['sequences_fit']:>9} {row['capacity_ratio_vs_fp16']:>8.2f} "
-              f"{row['decode_tok_s']:>13.1f} {row['decode_slowdown_vs_fp32']:>8.1%}")
+    if "quality" in r:
+        print(f"perplexity on {r['quality']['tokens']} tokens of {r['quality']['text']}, "
+              f"fp32 cache {r['quality']['ppl_baseline']:.4f}")
+    width = max(10, *(len(label) for label in r["formats"]))
+    print(f"{'format':<{width}} {'B/token':>9} {'seqs fit':>9} {'vs fp16':>8} {'decode tok/s':>13} {'slowdown':>9}"
+          + (f" {'ppl delta':>10}" if "quality" in r else ""))
+    for label, row in r["formats"].items():
+        print(f"{label:<{width}} {row['bytes_per_token']:>9.0f} {row['sequences_fit']:>9} "
+              f"{row['capacity_ratio_vs_fp16']:>8.2f} {row['decode_tok_s']:>13.1f} {row['decode_slowdown_vs_fp32']:>8.1%}"
+              + (f" {row['delta_pct']:>+9.2f}%" if "quality" in r else ""))
     return 0
 
 

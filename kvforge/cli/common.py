@@ -10,7 +10,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
     g.add_argument("--kv-memory", default=None, help="KV cache budget, e.g. 512MiB (default: 10%% of free memory)")
-    g.add_argument("--kv-dtype", default="fp32", help="KV storage format")
+    add_format_options(g)
     g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=64)
@@ -19,6 +19,33 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix sharing off")
     g.add_argument("--device", default=None)
     add_policy_options(g)
+
+
+def add_format_options(g) -> None:
+    g.add_argument("--kv-dtype", default="fp32", help="KV storage format: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4, kivi2")
+    g.add_argument("--kv-options", default=None, help='format options as JSON, e.g. \'{"group_size": 32}\'')
+
+
+def json_object(flag: str, text: str | None, example: str) -> dict:
+    """The JSON object given to `flag` ({} when absent); a ConfigError naming the flag otherwise."""
+    import json
+
+    from kvforge.errors import ConfigError
+
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} must be a JSON object, e.g. '{example}': {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, e.g. '{example}', got {text!r}")
+    return value
+
+
+def format_kwargs(args: argparse.Namespace) -> dict:
+    return {"kv_cache_dtype": args.kv_dtype,
+            "kv_cache_options": json_object("--kv-options", args.kv_options, '{"group_size": 32}') or None}
 
 
 def add_policy_options(g) -> None:
@@ -39,18 +66,7 @@ def _budget(text: str) -> int | float:
 
 def policy_kwargs(args: argparse.Namespace) -> dict:
     """kv_policy and kv_policy_options from --kv-policy, --budget and --kv-policy-options."""
-    import json
-
-    from kvforge.errors import ConfigError
-
-    options = {}
-    if args.kv_policy_options:
-        try:
-            options = json.loads(args.kv_policy_options)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--kv-policy-options must be a JSON object, e.g. '{{\"sinks\": 4}}': {e}") from None
-        if not isinstance(options, dict):
-            raise ConfigError("--kv-policy-options must be a JSON object")
+    options = json_object("--kv-policy-options", args.kv_policy_options, '{"sinks": 4}')
     if args.budget is not None:
         options["budget"] = args.budget
     return {"kv_policy": args.kv_policy, "kv_policy_options": options or None}
@@ -60,7 +76,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
         "kv_cache_memory": parse_size(args.kv_memory) if args.kv_memory else None,
-        "kv_cache_dtype": args.kv_dtype,
+        **format_kwargs(args),
         "kv_layout": args.kv_layout,
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,

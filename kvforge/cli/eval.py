@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from kvforge.cli.common import add_policy_options, policy_kwargs
+from kvforge.cli.common import add_format_options, add_policy_options, format_kwargs, policy_kwargs
 from kvforge.eval.passkey import register_passkey
 
 
@@ -13,8 +13,7 @@ def register(sub) -> None:
     esub = p.add_subparsers(dest="eval", required=True)
     ppl = esub.add_parser("ppl", help="decode-faithful perplexity vs the fp32 full cache, in one run")
     ppl.add_argument("--model", default=None)
-    ppl.add_argument("--kv-dtype", default="fp32")
-    ppl.add_argument("--kv-options", default=None, help='format options as JSON, e.g. \'{"group_size": 32}\'')
+    add_format_options(ppl)
     ppl.add_argument("--text", default="hamlet", help="hamlet, macbeth, hamlet+macbeth, gpl-3, ...")
     ppl.add_argument("--text-file", default=None)
     ppl.add_argument("--max-tokens", type=int, default=4096)
@@ -28,20 +27,6 @@ def register(sub) -> None:
     register_passkey(esub)
 
 
-def parse_options(text: str | None) -> dict:
-    from kvforge.errors import ConfigError
-
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--kv-options must be a JSON object, e.g. '{{\"group_size\": 32}}': {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError("--kv-options must be a JSON object")
-    return value
-
-
 def run_ppl(args) -> int:
     from kvforge.eval.ppl import ppl_eval
     from kvforge.eval.texts import load_text
@@ -50,7 +35,7 @@ def run_ppl(args) -> int:
     text = load_text(args.text, args.text_file)
     loaded = load_model(args.model)
     r = ppl_eval(loaded, text, args.max_tokens, args.chunk_size, args.agreement_prompts, segment=args.segment,
-                 kv_cache_dtype=args.kv_dtype, kv_cache_options=parse_options(args.kv_options), **policy_kwargs(args))
+                 **format_kwargs(args), **policy_kwargs(args))
     if args.json:
         json.dump(r, sys.stdout, indent=2)
         print()

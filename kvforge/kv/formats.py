@@ -4,6 +4,7 @@ A format is a codec. Attention only sees fp32 rows coming out of `LayerKV.gather
 """
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -134,6 +135,21 @@ def get_format(name: str, **options) -> KVFormat:
         return cls(**options)
     except TypeError as e:
         raise ConfigError(f"kv_cache_dtype {name!r} does not take options {sorted(options)}: {e}") from None
+
+
+def parse_format_spec(text: str) -> tuple[str, dict]:
+    """'int4' or 'int4:{"group_size": 32}' -> (name, options)."""
+    name, _, raw = text.partition(":")
+    if not raw:
+        return name, {}
+    try:
+        options = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"format {text!r}: options after ':' must be a JSON object, e.g. "
+                          f"'int4:{{\"group_size\": 32}}': {e}") from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"format {text!r}: options after ':' must be a JSON object, got {raw!r}")
+    return name, options
 
 
 # Quantized formats register themselves on import (they subclass KVFormat, so this comes last).

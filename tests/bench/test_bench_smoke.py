@@ -1,4 +1,6 @@
 """The benchmarks run end to end on a tiny model and measure what they claim (small workloads)."""
+import torch
+
 from kvforge.bench.kv_formats import sequences_that_fit
 from kvforge.bench.memory import memory_bench
 from kvforge.bench.prefix import prefix_bench
@@ -37,3 +39,18 @@ def test_quantized_formats_fit_more_sequences(tiny_loaded):
     spec = KVCacheSpec.from_model_config(tiny_loaded.config)
     fit = {d: sequences_that_fit(spec, get_format(d), 16, 8 << 20, 256) for d in ("fp32", "fp16", "int8")}
     assert fit["fp16"] == 2 * fit["fp32"] and fit["int8"] >= 1.7 * fit["fp16"]
+
+
+def test_kv_formats_bench_sweeps_options_with_memory_quality_and_speed(tiny_loaded):
+    from kvforge.bench.kv_formats import kv_formats_bench
+
+    specs = ["fp16", "int8", 'int4:{"group_size": 16}', 'int4:{"group_size": 8}']
+    ids = torch.randint(0, 96, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    r = kv_formats_bench(tiny_loaded, specs, budget=4 << 20, seq_len=64, batch=2, steps=2, quality_ids=ids)
+    rows = r["formats"]
+    assert list(rows) == specs and rows["fp16"]["capacity_ratio_vs_fp16"] == 1.0
+    assert rows['int4:{"group_size": 8}']["bytes_per_token"] > rows['int4:{"group_size": 16}']["bytes_per_token"]
+    assert rows["int8"]["sequences_fit"] > rows["fp16"]["sequences_fit"]
+    assert r["quality"]["tokens"] == 48 and abs(rows["fp16"]["delta_pct"]) < 0.1
+    for row in rows.values():
+        assert row["decode_tok_s"] > 0 and row["ppl"] > 1

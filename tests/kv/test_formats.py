@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvforge.errors import ConfigError
-from kvforge.kv.formats import KVFormat, get_format
+from kvforge.kv.formats import KVFormat, get_format, parse_format_spec
 from kvforge.kv.memory import bytes_per_block
 from kvforge.kv.spec import KVCacheSpec
 
@@ -70,6 +70,30 @@ def test_bytes_per_token_ratios_vs_fp16():
     assert ratio["int8"] >= 1.9 and ratio["fp8_e4m3"] >= 1.9
     assert ratio["int4"] >= 3.2
     assert ratio["kivi2"] >= 3.5
+
+
+def test_capacity_goals_hold_with_per_sequence_staging_counted():
+    """The issue's capacity goals, as bench kv-formats counts them: 2k-token sequences in 1 GiB."""
+    from kvforge.bench.kv_formats import sequences_that_fit
+
+    spec = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, v_head_dim=64)
+    fit = {n: sequences_that_fit(spec, get_format(n), 16, 1 << 30, 2048) for n in ("fp16", "int8", "int4", "kivi2")}
+    assert fit["fp16"] == 22
+    assert fit["int8"] / fit["fp16"] >= 1.9 and fit["int4"] / fit["fp16"] >= 3.2 and fit["kivi2"] / fit["fp16"] >= 3.5
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("int8", ("int8", {})), ('int4:{"group_size": 32}', ("int4", {"group_size": 32})),
+    ('kivi2:{"window": 0, "sinks": 0}', ("kivi2", {"window": 0, "sinks": 0})),
+])
+def test_format_specs_parse(text, expected):
+    assert parse_format_spec(text) == expected
+
+
+@pytest.mark.parametrize("text", ["int4:{group_size: 32}", "int4:[32]"])
+def test_bad_format_specs_say_what_is_allowed(text):
+    with pytest.raises(ConfigError, match="JSON object"):
+        parse_format_spec(text)
 
 
 @pytest.mark.parametrize("name,opts,spec,block_size,match", [
