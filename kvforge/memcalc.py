@@ -12,11 +12,12 @@ from typing import Any
 from kvforge.errors import ConfigError, KVForgeError, ModelLoadError
 from kvforge.kv.formats import KVFormat, get_format
 from kvforge.kv.memory import (
-    blocks_for_tokens,
     bytes_for_sequence,
     bytes_per_block,
     bytes_per_token,
     num_blocks_for_budget,
+    sequences_that_fit,
+    side_bytes,
 )
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.models.config import ModelConfig
@@ -135,7 +136,8 @@ class MemoryReport:
     per_token_elements: int
     per_token_bytes: float
     per_block_bytes: int
-    per_sequence_bytes: int
+    side_bytes_per_sequence: int  # fixed fp16 buffers of formats with staging, residual windows or sinks
+    per_sequence_bytes: int  # whole blocks + side buffers
     total_bytes: int
     block_overhead_bytes: float  # whole batch: bytes reserved in each sequence's last, partly filled block
     mha_per_token_bytes: float
@@ -150,8 +152,8 @@ class MemoryReport:
 def what_fits(spec: KVCacheSpec, fmt: KVFormat, block_size: int, memory: int, weights: int, seq_len: int,
               batch: int) -> Fits:
     budget = max(memory - weights, 0)
-    blocks = num_blocks_for_budget(spec, fmt, block_size, budget)
-    return Fits(memory, weights, budget, blocks, blocks // blocks_for_tokens(seq_len, block_size),
+    blocks = num_blocks_for_budget(spec, fmt, block_size, budget, batch)  # after side buffers for `batch` sequences
+    return Fits(memory, weights, budget, blocks, sequences_that_fit(spec, fmt, block_size, budget, seq_len),
                 blocks // batch * block_size)
 
 
@@ -167,12 +169,13 @@ def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch:
     spec, fmt = KVCacheSpec.from_model_config(cfg), get_format(kv_dtype)
     fmt.validate(spec, block_size)
     per_token = bytes_per_token(spec, fmt, block_size)
-    per_seq = bytes_for_sequence(spec, fmt, seq_len, block_size)
+    side = side_bytes(spec, fmt, block_size, 1)
+    per_seq = bytes_for_sequence(spec, fmt, seq_len, block_size) + side
     mha = _mha_per_token_bytes(cfg, fmt, block_size)
     report = MemoryReport(
         m.name, cfg.arch, cfg.attention_kind, kv_dtype, block_size, seq_len, batch, cfg.max_position_embeddings,
-        parameter_count(cfg), spec.elements_per_token, per_token, bytes_per_block(spec, fmt, block_size), per_seq,
-        per_seq * batch, _whole((per_seq - seq_len * per_token) * batch), mha, per_token / mha,
+        parameter_count(cfg), spec.elements_per_token, per_token, bytes_per_block(spec, fmt, block_size), side, per_seq,
+        per_seq * batch, _whole((per_seq - side - seq_len * per_token) * batch), mha, per_token / mha,
     )
     if weights is None and weights_dtype is not None:
         weights = weight_bytes(cfg, weights_dtype)

@@ -8,7 +8,7 @@ import pytest
 from kvforge.cli import main
 from kvforge.errors import ConfigError, KVForgeError, ModelLoadError
 from kvforge.kv.formats import KVFormat, get_format
-from kvforge.kv.memory import bytes_for_sequence, bytes_per_token
+from kvforge.kv.memory import budget_for, bytes_for_sequence, bytes_per_token, num_blocks_for_budget, side_bytes
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.memcalc import ResolvedModel, memory_report, parameter_count, parse_size, resolve_model, weight_bytes
 from kvforge.models.config import ModelConfig
@@ -58,6 +58,14 @@ def test_seq_len_defaults_to_model_context():
     assert memory_report("deepseek-v3").seq_len == 163840
 
 
+def test_what_fits_counts_side_buffers_like_the_engine():
+    r = memory_report("llama-3-8b", seq_len=4096, batch=8, kv_dtype="kivi2", memory=16 * GiB, weights=0)
+    spec, fmt = KVCacheSpec.from_model_config(get_preset("llama-3-8b")), get_format("kivi2")
+    assert r.side_bytes_per_sequence > 0
+    assert budget_for(spec, fmt, 16, 4096, r.fits.max_batch) <= 16 * GiB < budget_for(spec, fmt, 16, 4096, r.fits.max_batch + 1)
+    assert r.fits.num_blocks == num_blocks_for_budget(spec, fmt, 16, 16 * GiB, 8)
+
+
 def test_figures_come_from_the_one_formula():
     for name in ("llama-3-8b", "deepseek-v3"):
         cfg = get_preset(name)
@@ -70,8 +78,9 @@ def test_figures_come_from_the_one_formula():
                 continue
             r = memory_report(name, seq_len=1000, batch=3, kv_dtype=dtype, block_size=32)
             assert r.per_token_bytes == bytes_per_token(spec, fmt, 32)
-            assert r.per_sequence_bytes == bytes_for_sequence(spec, fmt, 1000, 32)
-            assert r.total_bytes == 3 * r.per_sequence_bytes
+            assert r.side_bytes_per_sequence == side_bytes(spec, fmt, 32, 1)
+            assert r.per_sequence_bytes == bytes_for_sequence(spec, fmt, 1000, 32) + r.side_bytes_per_sequence
+            assert r.total_bytes == 3 * r.per_sequence_bytes == budget_for(spec, fmt, 32, 1000, 3)
 
 
 @pytest.mark.parametrize("name,ratio", [

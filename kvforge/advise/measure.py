@@ -118,13 +118,13 @@ def _engine(loaded, tokens: int, max_seqs: int, options: dict[str, Any]):
     from kvforge.config import EngineConfig
     from kvforge.engine.engine import LLMEngine
     from kvforge.kv.formats import get_format
-    from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, side_bytes
+    from kvforge.kv.memory import blocks_for_tokens, pool_bytes
     from kvforge.kv.spec import KVCacheSpec
 
     spec, fmt, ctx = KVCacheSpec.from_model_config(loaded.config), get_format(options["kv_cache_dtype"]), \
         loaded.config.max_position_embeddings
-    budget = ((blocks_for_tokens(min(tokens, ctx), BLOCK_SIZE) + 4 * max_seqs) * bytes_per_block(spec, fmt, BLOCK_SIZE)
-              + side_bytes(spec, fmt, BLOCK_SIZE, max_seqs))
+    blocks = blocks_for_tokens(min(tokens, ctx), BLOCK_SIZE) + 4 * max_seqs
+    budget = pool_bytes(spec, fmt, BLOCK_SIZE, blocks, max_seqs)
     config = EngineConfig(kv_cache_memory=budget, block_size=BLOCK_SIZE, max_model_len=min(tokens + 1, ctx),
                           max_num_seqs=max_seqs, enable_prefix_caching=False, **options)
     return LLMEngine(config, loaded)

@@ -15,16 +15,9 @@ from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.sequence import SequenceStatus
 from kvforge.kv.formats import KVFormat, get_format, parse_format_spec
-from kvforge.kv.memory import budget_for, bytes_per_token, side_bytes
+from kvforge.kv.memory import budget_for, bytes_per_token, sequences_that_fit, side_bytes
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
-
-
-def sequences_that_fit(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget: int, seq_len: int) -> int:
-    n = 0
-    while budget_for(spec, fmt, block_size, seq_len, n + 1) <= budget:
-        n += 1
-    return n
 
 
 @torch.inference_mode()

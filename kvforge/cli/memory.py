@@ -56,6 +56,8 @@ def format_report(r: MemoryReport) -> str:
         f"  elements per token   {r.per_token_elements:>12,}",
         f"  bytes per token      {_bytes(r.per_token_bytes)}",
         f"  per sequence         {_bytes(r.per_sequence_bytes)}",
+        *([f"    of which fp16 side {_bytes(r.side_bytes_per_sequence)}  (staging, window, sinks)"]
+          if r.side_bytes_per_sequence else []),
         f"  {f'total (batch {r.batch})':<21}{_bytes(r.total_bytes)}",
         f"  block overhead       {_bytes(r.block_overhead_bytes)}",
         f"  mha_ratio            {r.mha_ratio:>12.4f}  (full MHA: {human(r.mha_per_token_bytes)} per token)",

@@ -48,3 +48,8 @@ def budget_for(spec: KVCacheSpec, fmt: KVFormat, block_size: int, tokens_per_seq
     """The smallest budget that holds num_seqs sequences of tokens_per_seq (plus spare blocks)."""
     blocks = num_seqs * blocks_for_tokens(tokens_per_seq, block_size) + spare_blocks
     return pool_bytes(spec, fmt, block_size, blocks, num_seqs)
+
+
+def sequences_that_fit(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget_bytes: int, seq_len: int) -> int:
+    """How many sequences of seq_len tokens a budget holds, side buffers included (they grow linearly in sequences)."""
+    return int(budget_bytes // budget_for(spec, fmt, block_size, seq_len, 1))

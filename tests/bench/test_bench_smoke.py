@@ -1,13 +1,13 @@
 """The benchmarks run end to end on a tiny model and measure what they claim (small workloads)."""
 import torch
 
-from kvforge.bench.kv_formats import sequences_that_fit
 from kvforge.bench.memory import memory_bench
 from kvforge.bench.prefix import prefix_bench
 from kvforge.bench.throughput import throughput_bench
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.kv.formats import get_format
+from kvforge.kv.memory import sequences_that_fit
 from kvforge.kv.spec import KVCacheSpec
 
 

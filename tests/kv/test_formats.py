@@ -74,7 +74,7 @@ def test_bytes_per_token_ratios_vs_fp16():
 
 def test_capacity_goals_hold_with_per_sequence_staging_counted():
     """The issue's capacity goals, as bench kv-formats counts them: 2k-token sequences in 1 GiB."""
-    from kvforge.bench.kv_formats import sequences_that_fit
+    from kvforge.kv.memory import sequences_that_fit
 
     spec = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, v_head_dim=64)
     fit = {n: sequences_that_fit(spec, get_format(n), 16, 1 << 30, 2048) for n in ("fp16", "int8", "int4", "kivi2")}

@@ -6,7 +6,7 @@ import pytest
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.kv.formats import KVFormat, get_format
-from kvforge.kv.memory import bytes_per_block, bytes_per_token, pool_bytes, side_bytes
+from kvforge.kv.memory import budget_for, bytes_per_block, bytes_per_token, pool_bytes, sequences_that_fit, side_bytes
 from kvforge.kv.spec import KVCacheSpec
 
 
@@ -51,3 +51,11 @@ def test_kivi2_block_bytes_counted_by_hand():
     stage = (128 // 16 + 1) * (16 * 3 * 128 * 2 + 12 + 1)  # fp16 rows of the window + the block being filled
     sinks = 2 * (4 * 3 * 128 * 2 + 12)
     assert side_bytes(SMOL, get_format("kivi2"), 16, 1) == 30 * (stage + sinks)
+
+
+@pytest.mark.parametrize("dtype", sorted(KVFormat.registry))
+def test_sequences_that_fit_is_the_largest_count_whose_budget_fits(dtype):
+    fmt = get_format(dtype)
+    for budget in (1 << 26, 1 << 30, 3 * (1 << 30) + 12345):
+        n = sequences_that_fit(SMOL, fmt, 16, budget, 2000)
+        assert budget_for(SMOL, fmt, 16, 2000, n) <= budget < budget_for(SMOL, fmt, 16, 2000, n + 1)
