@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvforge.kv.formats import get_format
+from kvforge.kv.quant.packing import pack, unpack
 from kvforge.kv.quant.scaled import ScaledCodec
 from kvforge.kv.quant.uniform import UniformCodec
 from kvforge.kv.spec import KVCacheSpec
@@ -26,6 +27,22 @@ def outlier_heavy(n: int, gen: torch.Generator) -> torch.Tensor:
     spikes = torch.randint(0, x.numel(), (max(1, x.numel() // 500),), generator=gen)
     x.view(-1)[spikes] *= 50
     return x
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pack_unpack_round_trip(bits):
+    q = torch.randint(0, 1 << bits, (5, 3, 64))
+    packed = pack(q, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 3, 64 * bits // 8)
+    assert torch.equal(unpack(packed, bits), q.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_table_decode_equals_torch_conversion(dtype):
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    codes = codes[~codes.float().isnan()].view(1, -1, 1, 1)
+    scale = torch.ones(1, codes.shape[1], 1, dtype=torch.float16)
+    assert torch.equal(ScaledCodec(dtype).decode([codes, scale]), codes.float())
 
 
 def test_scaled_codec_error_is_within_half_a_step():

@@ -1,4 +1,8 @@
-"""Symmetric per-token, per-head scaling into a narrow dtype (int8 or float8)."""
+"""Symmetric per-token, per-head scaling into a narrow dtype (int8 or float8).
+
+float8 codes are read through a 256-entry fp32 table (byte -> value): on CPU torch converts
+float8_e4m3fn to fp32 about 5x slower than a gather from that table.
+"""
 from __future__ import annotations
 
 import torch
@@ -18,6 +22,7 @@ class ScaledCodec(Codec):
         self.code_dtype = code_dtype
         self.is_int = not code_dtype.is_floating_point
         self.qmax = 127.0 if self.is_int else float(torch.finfo(code_dtype).max)
+        self.table: torch.Tensor | None = None
 
     def layout(self, block_size: int, heads: int, dim: int) -> Layout:
         return [((block_size, heads, dim), self.code_dtype), ((block_size, heads), SCALE_DTYPE)]
@@ -29,6 +34,13 @@ class ScaledCodec(Codec):
         codes = y.round().to(self.code_dtype) if self.is_int else y.to(self.code_dtype)
         return [codes, scale]
 
+    def _values(self, codes: torch.Tensor) -> torch.Tensor:
+        if self.is_int:
+            return codes.to(torch.float32)
+        if self.table is None or self.table.device != codes.device:
+            self.table = torch.arange(256, dtype=torch.uint8, device=codes.device).view(self.code_dtype).float()
+        return self.table.index_select(0, codes.view(torch.uint8).reshape(-1).int()).view(codes.shape)
+
     def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
         codes, scale = parts
-        return codes.to(torch.float32).mul_(scale.unsqueeze(-1))
+        return self._values(codes).mul_(scale.unsqueeze(-1))

@@ -128,7 +128,7 @@ class UniformCodec(Codec):
         return params[0].float(), zero
 
     def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        q = unpack(parts[0], self.bits).float()
+        q = unpack(parts[0], self.bits)
         scale, zero = self._scale_zero(parts[1: 1 + self.num_params])
         g, red = self._groups(q)
         x = (g * scale.unsqueeze(red) + zero.unsqueeze(red)).view(q.shape)
