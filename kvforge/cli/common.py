@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from kvforge.memcalc import parse_size
+from kvforge.options import json_object
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -24,23 +25,6 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 def add_format_options(g) -> None:
     g.add_argument("--kv-dtype", default="fp32", help="KV storage format: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4, kivi2")
     g.add_argument("--kv-options", default=None, help='format options as JSON, e.g. \'{"group_size": 32}\'')
-
-
-def json_object(flag: str, text: str | None, example: str) -> dict:
-    """The JSON object given to `flag` ({} when absent); a ConfigError naming the flag otherwise."""
-    import json
-
-    from kvforge.errors import ConfigError
-
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{flag} must be a JSON object, e.g. '{example}': {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{flag} must be a JSON object, e.g. '{example}', got {text!r}")
-    return value
 
 
 def format_kwargs(args: argparse.Namespace) -> dict:

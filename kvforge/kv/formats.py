@@ -4,7 +4,6 @@ A format is a codec. Attention only sees fp32 rows coming out of `LayerKV.gather
 """
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -12,6 +11,7 @@ import torch
 
 from kvforge.errors import ConfigError
 from kvforge.kv.spec import KVCacheSpec
+from kvforge.options import json_object
 
 
 class LayerKV(ABC):
@@ -140,16 +140,7 @@ def get_format(name: str, **options) -> KVFormat:
 def parse_format_spec(text: str) -> tuple[str, dict]:
     """'int4' or 'int4:{"group_size": 32}' -> (name, options)."""
     name, _, raw = text.partition(":")
-    if not raw:
-        return name, {}
-    try:
-        options = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"format {text!r}: options after ':' must be a JSON object, e.g. "
-                          f"'int4:{{\"group_size\": 32}}': {e}") from None
-    if not isinstance(options, dict):
-        raise ConfigError(f"format {text!r}: options after ':' must be a JSON object, got {raw!r}")
-    return name, options
+    return name, json_object(f"format {text!r}: the options after ':'", raw, 'int4:{"group_size": 32}')
 
 
 # Quantized formats register themselves on import (they subclass KVFormat, so this comes last).
