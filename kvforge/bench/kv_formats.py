@@ -7,6 +7,7 @@ path (random K/V rows, so no prefill is needed: attention reads the same bytes w
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -43,19 +44,42 @@ def fill_synthetic(engine: LLMEngine, context: int, batch: int, seed: int = 0) -
         engine.scheduler.running.append(seq)
 
 
-def decode_tok_s(loaded, dtype: str, context: int, batch: int, steps: int, block_size: int,
-                 options: dict | None = None) -> float:
+def decode_engine(loaded, dtype: str, context: int, batch: int, tokens: int, block_size: int,
+                  options: dict | None = None) -> LLMEngine:
+    """An engine with `batch` sequences at `context` tokens in the cache, room for `tokens` more each."""
     spec = KVCacheSpec.from_model_config(loaded.config)
-    budget = budget_for(spec, get_format(dtype, **(options or {})), block_size, context + steps + 8, batch, 1)
+    budget = budget_for(spec, get_format(dtype, **(options or {})), block_size, context + tokens + 8, batch, 1)
     engine = LLMEngine(EngineConfig(kv_cache_dtype=dtype, kv_cache_options=options, block_size=block_size,
-                                    max_num_seqs=batch, kv_cache_memory=budget, max_model_len=context + steps + 8,
+                                    max_num_seqs=batch, kv_cache_memory=budget, max_model_len=context + tokens + 8,
                                     enable_prefix_caching=False), loaded)
     fill_synthetic(engine, context, batch)
     engine.step()  # the last prompt token: first decode-shaped step, warms up
+    return engine
+
+
+def timed_steps(engine: LLMEngine, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    return batch * steps / (time.perf_counter() - start)
+    return time.perf_counter() - start
+
+
+def decode_speeds(loaded, specs: dict[str, tuple[str, dict]], context: int, batch: int, steps: int, rounds: int,
+                  block_size: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median decode tok/s per format and median per-round slowdown vs fp32.
+
+    Every round times each format once, fp32 first, so a noisy machine slows both sides of a ratio alike.
+    """
+    engines = {"fp32": decode_engine(loaded, "fp32", context, batch, steps * rounds, block_size)}
+    engines.update({label: decode_engine(loaded, name, context, batch, steps * rounds, block_size, opts)
+                    for label, (name, opts) in specs.items()})
+    seconds: dict[str, list[float]] = {label: [] for label in engines}
+    for _ in range(rounds):
+        for label, engine in engines.items():
+            seconds[label].append(timed_steps(engine, steps))
+    tok_s = {label: statistics.median(batch * steps / t for t in ts) for label, ts in seconds.items()}
+    slowdown = {label: statistics.median(1 - f / t for f, t in zip(seconds["fp32"], ts)) for label, ts in seconds.items()}
+    return tok_s, slowdown
 
 
 def perplexities(loaded, specs: dict[str, tuple[str, dict]], ids: list[int]) -> tuple[float, dict[str, float]]:
@@ -69,22 +93,22 @@ def perplexities(loaded, specs: dict[str, tuple[str, dict]], ids: list[int]) -> 
 
 
 def kv_formats_bench(loaded, formats: list[str] | None = None, budget: int = 1 << 30, seq_len: int = 2048,
-                     batch: int = 4, steps: int = 16, block_size: int = 16, quality_ids: list[int] | None = None) -> dict:
+                     batch: int = 4, steps: int = 16, block_size: int = 16, quality_ids: list[int] | None = None,
+                     rounds: int = 5) -> dict:
     spec = KVCacheSpec.from_model_config(loaded.config)
     specs = {text: parse_format_spec(text) for text in (formats or list(KVFormat.registry))}
     base16 = sequences_that_fit(spec, get_format("fp16"), block_size, budget, seq_len)
-    fp32 = decode_tok_s(loaded, "fp32", seq_len, batch, steps, block_size)
+    tok_s, slowdown = decode_speeds(loaded, specs, seq_len, batch, steps, rounds, block_size)
     rows = {}
     for label, (name, opts) in specs.items():
         fmt = get_format(name, **opts)
         fit = sequences_that_fit(spec, fmt, block_size, budget, seq_len)
-        speed = decode_tok_s(loaded, name, seq_len, batch, steps, block_size, opts)
         rows[label] = {"bytes_per_token": bytes_per_token(spec, fmt, block_size),
                        "side_bytes_per_seq": side_bytes(spec, fmt, block_size, 1),
                        "sequences_fit": fit, "capacity_ratio_vs_fp16": fit / base16,
-                       "decode_tok_s": speed, "decode_slowdown_vs_fp32": 1 - speed / fp32}
-    result = {"budget_bytes": budget, "seq_len": seq_len, "batch": batch, "decode_steps": steps,
-              "threads": torch.get_num_threads(), "fp16_sequences_fit": base16, "fp32_decode_tok_s": fp32,
+                       "decode_tok_s": tok_s[label], "decode_slowdown_vs_fp32": slowdown[label]}
+    result = {"budget_bytes": budget, "seq_len": seq_len, "batch": batch, "decode_steps": steps, "rounds": rounds,
+              "threads": torch.get_num_threads(), "fp16_sequences_fit": base16, "fp32_decode_tok_s": tok_s["fp32"],
               "formats": rows}
     if quality_ids:
         base, ppl = perplexities(loaded, specs, quality_ids)

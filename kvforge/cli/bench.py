@@ -49,7 +49,8 @@ def register(sub) -> None:
     f.add_argument("--budget", default="1GiB")
     f.add_argument("--seq-len", type=int, default=2048)
     f.add_argument("--batch", type=int, default=4)
-    f.add_argument("--steps", type=int, default=16)
+    f.add_argument("--steps", type=int, default=16, help="decode steps per format per round")
+    f.add_argument("--rounds", type=int, default=5, help="rounds of timing, every format once per round (medians)")
     f.add_argument("--model", default=None)
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=run_kv_formats)
@@ -135,13 +136,14 @@ def run_kv_formats(args) -> int:
     loaded = load_model(args.model)
     ids = loaded.tokenizer.encode(load_text(args.text))[: args.quality_tokens] if args.quality_tokens else None
     r = kv_formats_bench(loaded, args.formats, parse_size(args.budget), args.seq_len, args.batch, args.steps,
-                         quality_ids=ids)
+                         quality_ids=ids, rounds=args.rounds)
     if ids:
         r["quality"]["text"] = args.text
     if args.json:
         _emit(r, True, [])
         return 0
-    print(f"budget {r['budget_bytes'] / 2**30:.2f} GiB, {r['seq_len']}-token sequences, decode at batch {r['batch']}")
+    print(f"budget {r['budget_bytes'] / 2**30:.2f} GiB, {r['seq_len']}-token sequences, decode at batch {r['batch']} "
+          f"(medians of {r['rounds']} rounds; fp32 {r['fp32_decode_tok_s']:.1f} tok/s)")
     if "quality" in r:
         print(f"perplexity on {r['quality']['tokens']} tokens of {r['quality']['text']}, "
               f"fp32 cache {r['quality']['ppl_baseline']:.4f}")

@@ -46,7 +46,7 @@ def test_kv_formats_bench_sweeps_options_with_memory_quality_and_speed(tiny_load
 
     specs = ["fp16", "int8", 'int4:{"group_size": 16}', 'int4:{"group_size": 8}']
     ids = torch.randint(0, 96, (48,), generator=torch.Generator().manual_seed(0)).tolist()
-    r = kv_formats_bench(tiny_loaded, specs, budget=4 << 20, seq_len=64, batch=2, steps=2, quality_ids=ids)
+    r = kv_formats_bench(tiny_loaded, specs, budget=4 << 20, seq_len=64, batch=2, steps=2, quality_ids=ids, rounds=2)
     rows = r["formats"]
     assert list(rows) == specs and rows["fp16"]["capacity_ratio_vs_fp16"] == 1.0
     assert rows['int4:{"group_size": 8}']["bytes_per_token"] > rows['int4:{"group_size": 16}']["bytes_per_token"]
