@@ -7,6 +7,7 @@ import time
 import torch
 
 from kvforge.config import EngineConfig
+from kvforge.engine.host_memory import keep_freed_memory
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.sequence import Sequence
@@ -26,6 +27,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
         self.device = config.resolve_device()
+        self.host_memory_kept = keep_freed_memory()
         torch.manual_seed(config.seed)
         self.loaded = loaded or load_model(config.model, self.device)
         self.model_config = cfg = self.loaded.config
