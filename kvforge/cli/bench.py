@@ -15,6 +15,8 @@ def register(sub) -> None:
     _workload_options(t)
     t.add_argument("--hf-batch-size", type=int, default=None, help="static batch size of the baseline (default: max-num-seqs)")
     t.add_argument("--skip-hf", action="store_true", help="measure kvforge only")
+    t.add_argument("--no-same-allocator", action="store_true",
+                   help="skip the second transformers run under kvforge's malloc setting")
     add_engine_options(t)
     t.set_defaults(func=run_throughput)
 
@@ -78,11 +80,14 @@ def run_throughput(args) -> int:
         options["kv_cache_memory"] = 1 << 30
     engine = LLMEngine(EngineConfig(**options))
     result = throughput_bench(engine, engine.loaded.path, args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
-                              args.hf_batch_size, args.seed, args.skip_hf, not args.no_progress)
+                              args.hf_batch_size, args.seed, args.skip_hf, not args.no_progress,
+                              not args.no_same_allocator)
     _emit(result, args.json, [
         ("kvforge output tok/s", result["kvforge"]["output_tok_s"]),
         ("transformers output tok/s", result.get("hf", {}).get("output_tok_s")),
         ("speedup", result.get("speedup")),
+        ("transformers output tok/s, kvforge's malloc setting", result.get("hf_same_allocator", {}).get("output_tok_s")),
+        ("speedup, same malloc setting", result.get("speedup_same_allocator")),
         ("roofline fraction", result["roofline_fraction"]),
         ("matmul peak GFLOP/s", result["matmul_peak_gflops"]),
     ])
