@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -10,7 +12,9 @@ from kvforge.errors import ConfigError
 from kvforge.kv.formats import KVFormat
 from kvforge.kv.quant.codec import Codec
 from kvforge.kv.quant.layer import EXACT_DTYPE, QuantLayerKV
+from kvforge.kv.quant.scaled import ScaledCodec
 from kvforge.kv.quant.sidetable import BYTES_PER_BLOCK, BYTES_PER_ENTRY
+from kvforge.kv.quant.uniform import UniformCodec
 from kvforge.kv.spec import KVCacheSpec
 
 SINK_ENTRIES_PER_SEQ = 2
@@ -68,6 +72,47 @@ class QuantFormat(KVFormat):
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         if self.sinks and self.sinks >= block_size:
             raise ConfigError(f"{self.name}: sinks={self.sinks} must be smaller than block_size={block_size}")
+
+
+class ScaledFormat(QuantFormat):
+    """Keys and values as `code_dtype` codes with one scale per token and head (int8, fp8)."""
+
+    code_dtype: ClassVar[torch.dtype]
+
+    def codecs(self, spec: KVCacheSpec) -> tuple[Codec, Codec | None]:
+        return ScaledCodec(self.code_dtype), ScaledCodec(self.code_dtype) if spec.has_values else None
+
+
+@dataclass
+class UniformFormat(QuantFormat):
+    """`bits`-bit asymmetric groups: keys along `key_axis`, values per token in groups along head_dim."""
+
+    bits: ClassVar[int]
+    key_axis: ClassVar[str] = "channel"
+    group_size: int = 32
+    sinks: int = 4
+    window: int = 0
+    outlier_frac: float = 0.0
+    scale_bits: int = 8
+
+    def __post_init__(self) -> None:
+        check_int(self.name, "group_size", self.group_size, 2)
+        check_int(self.name, "sinks", self.sinks, 0)
+        check_int(self.name, "window", self.window, 0)
+        check_frac(self.name, self.outlier_frac)
+        check_scale_bits(self.name, self.scale_bits)
+
+    def codecs(self, spec: KVCacheSpec) -> tuple[Codec, Codec | None]:
+        options = (self.group_size, self.outlier_frac, self.scale_bits)
+        k = UniformCodec(self.bits, self.key_axis, *options)
+        v = UniformCodec(self.bits, "token", *options) if spec.has_values else None
+        return k, v
+
+    def validate(self, spec: KVCacheSpec, block_size: int) -> None:
+        super().validate(spec, block_size)
+        grouped = [spec.v_head_dim] if self.key_axis == "channel" else [spec.head_dim, spec.v_head_dim]
+        check_group(self.name, self.group_size, [d for d in grouped if d > 0])
+        check_group(self.name, 8 // self.bits, [d for d in (spec.head_dim, spec.v_head_dim) if d > 0])  # whole bytes
 
 
 def check_int(fmt: str, option: str, value: object, low: int) -> None:

@@ -2,25 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from kvforge.kv.quant.base import QuantFormat
-from kvforge.kv.quant.codec import Codec
-from kvforge.kv.quant.scaled import ScaledCodec
-from kvforge.kv.spec import KVCacheSpec
-
-
-class _FP8(QuantFormat):
-    code_dtype: ClassVar[torch.dtype]
-
-    def codecs(self, spec: KVCacheSpec) -> tuple[Codec, Codec | None]:
-        return ScaledCodec(self.code_dtype), ScaledCodec(self.code_dtype) if spec.has_values else None
+from kvforge.kv.quant.base import ScaledFormat
 
 
 @dataclass
-class FP8E4M3(_FP8):
+class FP8E4M3(ScaledFormat):
     """OCP FP8 E4M3 (3 mantissa bits, max 448): the usual KV choice (vLLM `fp8_e4m3`)."""
 
     name = "fp8_e4m3"
@@ -28,7 +17,7 @@ class FP8E4M3(_FP8):
 
 
 @dataclass
-class FP8E5M2(_FP8):
+class FP8E5M2(ScaledFormat):
     """FP8 E5M2 (2 mantissa bits, wide range): coarser than E4M3 on KV values."""
 
     name = "fp8_e5m2"

@@ -16,35 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvforge.kv.quant.base import QuantFormat, check_frac, check_group, check_int, check_scale_bits
-from kvforge.kv.quant.codec import Codec
-from kvforge.kv.quant.uniform import UniformCodec
-from kvforge.kv.spec import KVCacheSpec
+from kvforge.kv.quant.base import UniformFormat
 
 
 @dataclass
-class KIVI2(QuantFormat):
+class KIVI2(UniformFormat):
     name = "kivi2"
+    bits = 2
     group_size: int = 32
     window: int = 128
-    sinks: int = 4
     outlier_frac: float = 0.01
-    scale_bits: int = 8
-
-    def __post_init__(self) -> None:
-        check_int(self.name, "group_size", self.group_size, 2)
-        check_int(self.name, "window", self.window, 0)
-        check_int(self.name, "sinks", self.sinks, 0)
-        check_frac(self.name, self.outlier_frac)
-        check_scale_bits(self.name, self.scale_bits)
-
-    def codecs(self, spec: KVCacheSpec) -> tuple[Codec, Codec | None]:
-        k = UniformCodec(2, "channel", self.group_size, self.outlier_frac, self.scale_bits)
-        v = UniformCodec(2, "token", self.group_size, self.outlier_frac, self.scale_bits) if spec.has_values else None
-        return k, v
-
-    def validate(self, spec: KVCacheSpec, block_size: int) -> None:
-        super().validate(spec, block_size)
-        check_group(self.name, 4, [d for d in (spec.head_dim, spec.v_head_dim) if d > 0])
-        if spec.has_values:
-            check_group(self.name, self.group_size, [spec.v_head_dim])
