@@ -113,29 +113,13 @@ class Measurement:
         return d
 
 
-def _engine(loaded, tokens: int, max_seqs: int, options: dict[str, Any]):
-    """An engine whose KV budget holds `tokens` (plus headroom) in its format, side buffers included."""
-    from kvforge.config import EngineConfig
-    from kvforge.engine.engine import LLMEngine
-    from kvforge.kv.formats import get_format
-    from kvforge.kv.memory import blocks_for_tokens, pool_bytes
-    from kvforge.kv.spec import KVCacheSpec
-
-    spec, fmt, ctx = KVCacheSpec.from_model_config(loaded.config), get_format(options["kv_cache_dtype"]), \
-        loaded.config.max_position_embeddings
-    blocks = blocks_for_tokens(min(tokens, ctx), BLOCK_SIZE) + 4 * max_seqs
-    budget = pool_bytes(spec, fmt, BLOCK_SIZE, blocks, max_seqs)
-    config = EngineConfig(kv_cache_memory=budget, block_size=BLOCK_SIZE, max_model_len=min(tokens + 1, ctx),
-                          max_num_seqs=max_seqs, enable_prefix_caching=False, **options)
-    return LLMEngine(config, loaded)
-
-
 def _speed(loaded, workload: list, options: dict[str, Any]) -> float:
     from kvforge.bench.throughput import run_kvforge
     from kvforge.bench.workload import Request
+    from kvforge.eval.ppl import engine_for
 
     tokens = sum(len(r.prompt_ids) + r.max_tokens for r in workload)
-    engine = _engine(loaded, tokens, len(workload), options)
+    engine = engine_for(loaded, tokens, BLOCK_SIZE, len(workload), **options)
     run_kvforge(engine, [Request(workload[0].prompt_ids[:16], 4)], show_progress=False)  # warm-up
     return run_kvforge(engine, workload, show_progress=False)["output_tok_s"]
 
@@ -144,7 +128,7 @@ def measure(loaded, candidates: list[Candidate], text: str, eval_tokens: int = 1
             max_quality_loss: float = 1.0, chunk_size: int | None = None, requests: int = 4, output_tokens: int = 32,
             shared_prefix: bool = False, seed: int = 0, text_name: str = "", log: Callable[[str], None] | None = None) -> Measurement:
     from kvforge.bench.workload import random_workload
-    from kvforge.eval.ppl import perplexity
+    from kvforge.eval.ppl import engine_for, perplexity
 
     if eval_tokens < 64:
         raise ConfigError(f"eval_tokens must be >= 64 for a meaningful perplexity, got {eval_tokens}")
@@ -153,12 +137,12 @@ def measure(loaded, candidates: list[Candidate], text: str, eval_tokens: int = 1
     ids = loaded.tokenizer.encode(text)[:min(eval_tokens, cfg.max_position_embeddings)]
     workload = random_workload(requests, (32, 64), (output_tokens, output_tokens), cfg.vocab_size, seed)
     log(f"fp32 full cache (baseline): perplexity on {len(ids)} tokens, {requests} x {output_tokens} tokens decoded")
-    base = perplexity(_engine(loaded, len(ids), 1, {"kv_cache_dtype": "fp32"}), ids, chunk_size)
+    base = perplexity(engine_for(loaded, len(ids), BLOCK_SIZE), ids, chunk_size)
     base_speed = _speed(loaded, workload, {"kv_cache_dtype": "fp32"})
     rows = []
     for c in candidates:
         log(f"{c.name}: perplexity, speed")
-        engine = _engine(loaded, len(ids), 1, c.options())
+        engine = engine_for(loaded, len(ids), BLOCK_SIZE, **c.options())
         r = perplexity(engine, ids, chunk_size)
         tok_s = _speed(loaded, workload, c.options())
         per_token = bytes_per_token(engine.spec, engine.format, engine.kv.block_size)

@@ -27,7 +27,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
         self.device = config.resolve_device()
-        self.host_memory_kept = keep_freed_memory()
+        keep_freed_memory()
         torch.manual_seed(config.seed)
         self.loaded = loaded or load_model(config.model, self.device)
         self.model_config = cfg = self.loaded.config

@@ -11,7 +11,7 @@ from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scoring import iter_chunk_logits
 from kvforge.errors import PromptTooLongError
 from kvforge.kv.formats import get_format
-from kvforge.kv.memory import budget_for, bytes_per_token
+from kvforge.kv.memory import blocks_for_tokens, bytes_per_token, pool_bytes
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
 
@@ -37,22 +37,24 @@ def perplexity(engine: LLMEngine, token_ids: list[int], chunk_size: int | None =
         nll[start: start + n] = -logp.gather(1, targets[start + 1: start + 1 + n, None])[:, 0].double()
     overall = max(overall, kv.peak_blocks_used)
     result = {"ppl": math.exp(nll.mean().item()), "tokens": len(token_ids), "peak_kv_bytes": overall * kv.block_bytes,
-              "seconds": time.perf_counter() - t0}
+              "seconds": time.perf_counter() - t0, "chunk_size": chunk_size}
     if segment:
         result["segments"] = [math.exp(nll[i: i + segment].mean().item()) for i in range(0, len(nll), segment)]
         result["segment_peak_kv_bytes"] = seg_peaks + [kv.peak_blocks_used * kv.block_bytes]
     return result
 
 
-def engine_for(loaded, num_tokens: int, block_size: int = 16, **options) -> LLMEngine:
-    """An engine whose KV budget holds one sequence of num_tokens (plus headroom) in its format."""
+def engine_for(loaded, num_tokens: int, block_size: int = 16, max_num_seqs: int = EVAL_MAX_SEQS, **options) -> LLMEngine:
+    """An engine whose KV budget holds num_tokens in all (4 spare blocks per sequence) in its format,
+    side buffers sized for max_num_seqs."""
     spec = KVCacheSpec.from_model_config(loaded.config)
     fmt = get_format(options.get("kv_cache_dtype", "fp32"), **(options.get("kv_cache_options") or {}))
     cache_tokens = min(num_tokens, loaded.config.max_position_embeddings)  # streaming runs past it in a bounded cache
-    budget = budget_for(spec, fmt, block_size, cache_tokens, EVAL_MAX_SEQS, spare_blocks=4)
+    budget = pool_bytes(spec, fmt, block_size, blocks_for_tokens(cache_tokens, block_size) + 4 * max_num_seqs,
+                        max_num_seqs)
     max_len = min(num_tokens + 1, loaded.config.max_position_embeddings)
     return LLMEngine(EngineConfig(kv_cache_memory=budget, block_size=block_size, max_model_len=max_len,
-                                  max_num_seqs=EVAL_MAX_SEQS, enable_prefix_caching=False, **options), loaded)
+                                  max_num_seqs=max_num_seqs, enable_prefix_caching=False, **options), loaded)
 
 
 def greedy_agreement(base: LLMEngine, other: LLMEngine, prompts: list[list[int]], max_tokens: int = 64) -> dict:
@@ -98,7 +100,7 @@ def ppl_eval(loaded, text: str, max_tokens: int = 4096, chunk_size: int | None =
         "kv_bytes_per_token": bytes_per_token(other.spec, other.format, other.kv.block_size),
         "kv_bytes_per_token_baseline": bytes_per_token(base.spec, base.format, base.kv.block_size),
         "tokens": len(ids),
-        "chunk_size": chunk_size or other.kv.block_size,
+        "chunk_size": r1["chunk_size"],
         "options": {k: v for k, v in options.items()},
         **({"segments": r1["segments"], "segment_peak_kv_bytes": r1["segment_peak_kv_bytes"],
             "segments_baseline": r0["segments"]} if segment else {}),
