@@ -1,4 +1,5 @@
-"""The transformers baseline in a fresh process: `python -m kvforge.bench.hf_baseline SPEC.json`.
+"""The transformers baseline: `generate` on static batches, in this process or in a fresh one
+(`python -m kvforge.bench.hf_baseline SPEC.json`).
 
 The engine tunes the process's malloc (engine/host_memory.py), which speeds up transformers too
 when it runs in the same process. Running it here shows transformers as a user runs it; the
@@ -13,8 +14,41 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
+import torch
+
+from kvforge.bench.progress import Progress
 from kvforge.bench.workload import Request
+
+
+def load_hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isdir(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    d, name = os.path.split(path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def run_hf(model, workload: list[Request], batch_size: int, pad_id: int, show_progress: bool = True) -> dict:
+    """transformers generate on static batches: every batch runs until its longest request is done."""
+    progress = Progress("transformers", sum(r.max_tokens for r in workload), show_progress)
+    start, counted = time.perf_counter(), 0
+    for i in range(0, len(workload), batch_size):
+        batch = workload[i: i + batch_size]
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.tensor([[pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
+        new = max(r.max_tokens for r in batch)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       pad_token_id=pad_id)
+        counted += sum(r.max_tokens for r in batch)
+        progress.update(sum(r.max_tokens for r in batch))
+    elapsed = time.perf_counter() - start
+    progress.close()
+    return {"output_tokens": counted, "seconds": elapsed, "output_tok_s": counted / elapsed}
 
 
 def run_hf_fresh_process(model_path: str, workload: list[Request], batch_size: int, pad_id: int, threads: int,
@@ -32,10 +66,6 @@ def run_hf_fresh_process(model_path: str, workload: list[Request], batch_size: i
 
 
 def main(path: str) -> None:
-    import torch
-
-    from kvforge.bench.throughput import load_hf_model, run_hf
-
     with open(path) as f:
         spec = json.load(f)
     torch.set_num_threads(spec["threads"])

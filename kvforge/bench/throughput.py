@@ -12,7 +12,7 @@ import time
 import torch
 
 from kvforge.bench.flops import engine_flops, measure_matmul_peak
-from kvforge.bench.hf_baseline import run_hf_fresh_process
+from kvforge.bench.hf_baseline import load_hf_model, run_hf, run_hf_fresh_process
 from kvforge.bench.progress import Progress
 from kvforge.bench.workload import Request, random_workload
 from kvforge.sampling_params import SamplingParams
@@ -31,37 +31,6 @@ def run_kvforge(engine, workload: list[Request], show_progress: bool = True) -> 
     progress.close()
     return {"output_tokens": outputs, "seconds": elapsed, "output_tok_s": outputs / elapsed,
             "flops": engine_flops(engine) - flops0}
-
-
-def load_hf_model(path: str):
-    import os
-
-    from transformers import AutoModelForCausalLM
-
-    if os.path.isdir(path):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    d, name = os.path.split(path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-
-
-@torch.inference_mode()
-def run_hf(model, workload: list[Request], batch_size: int, pad_id: int, show_progress: bool = True) -> dict:
-    """transformers generate on static batches: every batch runs until its longest request is done."""
-    progress = Progress("transformers", sum(r.max_tokens for r in workload), show_progress)
-    start, counted = time.perf_counter(), 0
-    for i in range(0, len(workload), batch_size):
-        batch = workload[i: i + batch_size]
-        width = max(len(r.prompt_ids) for r in batch)
-        ids = torch.tensor([[pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
-        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
-        new = max(r.max_tokens for r in batch)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       pad_token_id=pad_id)
-        counted += sum(r.max_tokens for r in batch)
-        progress.update(sum(r.max_tokens for r in batch))
-    elapsed = time.perf_counter() - start
-    progress.close()
-    return {"output_tokens": counted, "seconds": elapsed, "output_tok_s": counted / elapsed}
 
 
 def throughput_bench(engine, model_path: str, num_requests: int = 64, prompt_len=(32, 512), output_len=(16, 256),
