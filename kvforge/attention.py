@@ -40,15 +40,8 @@ class AttentionMetadata:
         self.query_start_loc = starts
         self.decode_rows = [i for i, n in enumerate(self.query_lens) if n == 1]
         self.prefill_rows = [i for i, n in enumerate(self.query_lens) if n != 1]
-        self._decode_cache = None
         self._groups_cache = None
         self.attn_sums: dict[int, torch.Tensor] = {}  # row -> [k, context_len], summed over heads and layers
-
-    def decode_layout(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Padded block table, key mask and query row index of all decode rows at once."""
-        if self._decode_cache is None:
-            self._decode_cache = self._layout(self.decode_rows, device)
-        return self._decode_cache
 
     def decode_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Decode rows bucketed by length (rows, table, mask, query index), so short rows are not padded to long ones."""
@@ -111,16 +104,24 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
     return torch.stack(out, 1).reshape(b, -1, v.shape[-1])
 
 
-def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
-    n, ctx = q.shape[0], meta.context_lens[i]
-    blocks = torch.tensor(meta.block_tables[i][: -(-ctx // meta.block_size)], device=q.device)
+def prefill_history(cache: LayerKV, meta: AttentionMetadata, i: int,
+                    device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Sequence i's cached K and V (V None for MLA) as [1, kv_heads, context_len, dim], and its
+    [queries, context_len] causal mask (sliding window included)."""
+    n, ctx = meta.query_lens[i], meta.context_lens[i]
+    blocks = torch.tensor(meta.block_tables[i][: -(-ctx // meta.block_size)], device=device)
     k, v = cache.gather(blocks)
-    k, v = k[:ctx].transpose(0, 1)[None], v[:ctx].transpose(0, 1)[None]  # [1, kvh, ctx, d]
-    qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-    kpos = torch.arange(ctx, device=q.device)[None, :]
+    k, v = (x[:ctx].transpose(0, 1)[None] if x is not None else None for x in (k, v))
+    qpos = torch.arange(ctx - n, ctx, device=device)[:, None]
+    kpos = torch.arange(ctx, device=device)[None, :]
     mask = kpos <= qpos
     if meta.sliding_window:
         mask &= kpos > qpos - meta.sliding_window
+    return k, v, mask
+
+
+def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
+    k, v, mask = prefill_history(cache, meta, i, q.device)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.attention import AttentionMetadata
+from kvforge.attention import AttentionMetadata, prefill_history
 from kvforge.errors import ModelLoadError
 from kvforge.kv.formats import LayerKV
+from kvforge.kv.policies.stats import record_decode, record_prefill
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
 from kvforge.models.layers import RMSNorm
@@ -155,28 +156,21 @@ def attend_latent(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scal
     Scores are exactly those of the unabsorbed attention, so KV policies get them (meta.collect) unchanged.
     """
     out = q.new_empty(q.shape[0], q.shape[1], rank)
-    if meta.decode_rows:
-        table, valid, q_index = meta.decode_layout(q.device)
+    for seqs, table, valid, q_index in meta.decode_groups(q.device):
         b, width = table.shape
         rows = cache.gather(table.flatten())[0].view(b, width * meta.block_size, -1).to(q.dtype)
         scores = torch.bmm(q[q_index], rows.transpose(1, 2)) * scale  # [B, heads, L]
         probs = torch.softmax(scores.masked_fill_(~valid[:, None, :], float("-inf")), dim=-1)
         out[q_index] = torch.bmm(probs, rows[..., :rank])
-        if getattr(meta, "collect", None):
-            from kvforge.kv.policies.stats import record_decode
-
-            record_decode(meta, meta.decode_rows, probs.sum(1))
+        if meta.collect:
+            record_decode(meta, seqs, probs.sum(1))
     for i in meta.prefill_rows:
-        start, n, ctx = meta.query_start_loc[i], meta.query_lens[i], meta.context_lens[i]
-        blocks = torch.tensor(meta.block_tables[i][: -(-ctx // meta.block_size)], device=q.device)
-        rows = cache.gather(blocks)[0][:ctx].transpose(0, 1)[None].to(q.dtype)  # [1, 1, ctx, rank + rope]
-        qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+        start, n = meta.query_start_loc[i], meta.query_lens[i]
+        rows, _, mask = prefill_history(cache, meta, i, q.device)  # rows: [1, 1, ctx, rank + rope]
+        rows = rows.to(q.dtype)
         res = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1)[None], rows, rows[..., :rank],
                                              attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + n] = res[0].transpose(0, 1)
-        if getattr(meta, "collect", None):
-            from kvforge.kv.policies.stats import record_prefill
-
+        if meta.collect:
             record_prefill(meta, i, q[start : start + n], rows, mask, scale)
     return out
