@@ -76,16 +76,10 @@ class UniformCodec(Codec):
         lo, hi = lo.nan_to_num(0.0, 0.0, 0.0), hi.nan_to_num(0.0, 0.0, 0.0)
         zero_parts = self._encode_zero(lo.squeeze(red))
         zero = self._decode_zero(zero_parts).unsqueeze(red)
-        scale = (hi - zero) / self.levels
-        if self.param_bits == 8:
-            code = ((scale.clamp_min(2.0 ** LOG_MIN).log2() - LOG_MIN) * LOG_STEPS).ceil_().clamp_(0, 255)
-            params = [code.to(torch.uint8).squeeze(red)] + zero_parts
-        else:
-            params = [scale.clamp_min(MIN_SCALE).to(PARAM_DTYPE).squeeze(red)] + zero_parts
-        scale, zero = self._scale_zero(params)
-        g = self._groups(x)[0]
-        q = ((g - zero.unsqueeze(red)) / scale.unsqueeze(red)).round_().clamp_(0, self.levels).view(x.shape)
-        parts = [pack(q, self.bits)] + params
+        scale_part = self._encode_scale((hi - zero) / self.levels).squeeze(red)
+        scale = self._decode_scale(scale_part).unsqueeze(red)
+        q = ((self._groups(x)[0] - zero) / scale).round_().clamp_(0, self.levels).view(x.shape)
+        parts = [pack(q, self.bits), scale_part] + zero_parts
         if n_out:
             values = x.reshape(x.shape[0], -1).gather(1, index)
             parts += [index.to(self.layout(*x.shape[1:])[-2][1]), values.to(PARAM_DTYPE)]
@@ -120,12 +114,19 @@ class UniformCodec(Codec):
     def num_params(self) -> int:
         return 3 if self.coded_zero else 2
 
+    def _encode_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        if self.param_bits == 8:  # log2 grid, rounded up so the group's range stays covered
+            return ((scale.clamp_min(2.0 ** LOG_MIN).log2() - LOG_MIN) * LOG_STEPS).ceil_().clamp_(0, 255).to(torch.uint8)
+        return scale.clamp_min(MIN_SCALE).to(PARAM_DTYPE)
+
+    def _decode_scale(self, part: torch.Tensor) -> torch.Tensor:
+        if self.param_bits == 8:
+            return torch.exp2(part.float() / LOG_STEPS + LOG_MIN)
+        return part.float()
+
     def _scale_zero(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 scale and zero per group from the stored parameter parts."""
-        zero = self._decode_zero(params[1:])
-        if self.param_bits == 8:
-            return torch.exp2(params[0].float() / LOG_STEPS + LOG_MIN), zero
-        return params[0].float(), zero
+        return self._decode_scale(params[0]), self._decode_zero(params[1:])
 
     def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
         q = unpack(parts[0], self.bits)
