@@ -45,8 +45,9 @@ class ModelRunner:
         return torch.tensor(input_ids, dtype=torch.long, device=dev), meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
-        """Run one step; returns the sampled token of each sequence that reached its last token."""
+    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Push the batch's new tokens through the model (their K/V enter the cache, the KV policy runs);
+        hidden states [T, hidden] and the rows of sequences that reached their last token."""
         input_ids, meta, sample_rows = self.build_metadata(batch)
         hidden = self.model(input_ids, meta, self.kv.pool)
         self.forward_tokens += input_ids.shape[0]
@@ -55,6 +56,12 @@ class ModelRunner:
             seq.num_computed_tokens += n
         if self.evictor:
             self.evictor.after_forward(batch.seqs, meta)
+        return hidden, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
+        """Run one step; returns the sampled token of each sequence that reached its last token."""
+        hidden, sample_rows = self.forward(batch)
         sampled_seqs = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
         if not sampled_seqs:
             return {}

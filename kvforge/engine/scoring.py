@@ -29,12 +29,7 @@ def iter_chunk_logits(engine, token_ids: list[int], chunk_size: int | None = Non
             n = min(chunk_size, len(token_ids) - start)
             if not kv.allocate_slots(seq, n):
                 raise OutOfKVMemoryError(f"the KV cache cannot hold {start + n} tokens of this sequence")
-            batch = ScheduledBatch([seq], [n])
-            input_ids, meta, _ = runner.build_metadata(batch)
-            hidden = runner.model(input_ids, meta, kv.pool)
-            seq.num_computed_tokens += n
-            if runner.evictor:  # the KV policy applies between chunks, as between decode steps
-                runner.evictor.after_forward(batch.seqs, meta)
+            hidden, _ = runner.forward(ScheduledBatch([seq], [n]))  # the KV policy runs between chunks
             yield start, runner.model.compute_logits(hidden).float()
     finally:
         kv.free(seq)
