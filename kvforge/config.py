@@ -12,8 +12,8 @@ KV_LAYOUTS = ("paged", "contiguous")
 @dataclass
 class EngineConfig:
     model: str | None = None  # GGUF file or Hugging Face dir; None = embedded SmolLM2-135M-Instruct
-    kv_cache_memory: int | None = None  # KV budget in bytes; None = kv_cache_memory_fraction of free memory
-    kv_cache_memory_fraction: float = 0.1
+    kv_cache_memory: int | str | None = None  # KV budget: bytes or a size string ("512MiB"); None = the fraction below
+    kv_cache_memory_fraction: float = 0.1  # of free memory, when kv_cache_memory is None (CLI --gpu-memory-utilization)
     kv_cache_dtype: str = "fp32"
     kv_cache_options: dict | None = None  # format options, e.g. {"group_size": 32}
     block_size: int = 16
@@ -26,9 +26,13 @@ class EngineConfig:
     kv_policy: str | None = None  # full | window | streaming | h2o | scissorhands | snapkv; None = full (window for sliding-window models)
     kv_policy_options: dict | None = None  # e.g. {"budget": 1024, "sinks": 4}; budget < 1.0 = fraction of the length
     device: str | None = None  # None = cuda when available, else cpu
-    seed: int = 0
+    seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh randomness every run
 
     def __post_init__(self):
+        if isinstance(self.kv_cache_memory, str):
+            from kvforge.memcalc import parse_size
+
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
         checks = [
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), f"block_size must be a power of two in 1..256, got {self.block_size!r}"),
             (self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}"),
@@ -39,6 +43,7 @@ class EngineConfig:
              f"max_model_len must be a positive integer or None, got {self.max_model_len!r}"),
             (self.kv_cache_memory is None or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0),
              f"kv_cache_memory must be a positive number of bytes or None, got {self.kv_cache_memory!r}"),
+            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}"),
             (0 < self.kv_cache_memory_fraction <= 0.95, f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}"),
         ]
         for ok, message in checks:
@@ -59,3 +64,12 @@ class EngineConfig:
             return torch.device(self.device)
         except RuntimeError as e:
             raise ConfigError(f"device {self.device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:0'): {e}") from None
+
+
+def check_max_model_len(max_model_len: int, context: int, policy) -> None:
+    """Refuse a max_model_len beyond the model's context unless the KV policy keeps RoPE positions bounded."""
+    if max_model_len <= context or (policy.evicts and policy.rope_by_cache_index):
+        return
+    raise ConfigError(
+        f"max_model_len={max_model_len} is more than the model's context of {context} tokens (max_position_embeddings); "
+        f"use max_model_len <= {context}, or kv_policy='streaming' (StreamingLLM keeps positions inside the context)")

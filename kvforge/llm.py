@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
@@ -11,9 +12,15 @@ from kvforge.sampling_params import SamplingParams
 
 
 class LLM:
-    """LLM(model=None, **engine_options); model=None loads the embedded SmolLM2-135M-Instruct."""
+    """LLM(model=None, **engine_options); model=None loads the embedded SmolLM2-135M-Instruct.
+
+    engine_options are EngineConfig's fields; kv_cache_memory takes bytes or a size string ("512MiB"), and
+    vLLM's gpu_memory_utilization is accepted as kv_cache_memory_fraction (the share of free memory for KV).
+    """
 
     def __init__(self, model: str | None = None, **engine_options):
+        if "gpu_memory_utilization" in engine_options:
+            engine_options["kv_cache_memory_fraction"] = engine_options.pop("gpu_memory_utilization")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
     @classmethod
@@ -28,7 +35,8 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
-        """One output per prompt, in order. A prompt is a str or a list of token ids."""
+        """One output per prompt, in order. A prompt is a str or a list of token ids; with n > 1 its
+        `outputs` holds the n samples."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -38,15 +46,23 @@ class LLM:
             params_list = list(params)
         else:
             params_list = [params or SamplingParams()] * len(prompts)
-        ids = []
+        ids: list[list[str]] = []
         try:
             for prompt, p in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
+                ids.append([])
+                for sample in one_per_sample(p):
+                    ids[-1].append(self.engine.add_request(prompt, sample, cache_salt=cache_salt))
         except Exception:
-            for rid in ids:
+            for rid in (r for group in ids for r in group):
                 self.engine.abort(rid)
             raise
-        return self._run(ids)
+        done = self._run([r for group in ids for r in group])
+        outputs = []
+        for group in ids:
+            first = done[group[0]]
+            first.extra_samples = [done[r] for r in group[1:]]
+            outputs.append(first)
+        return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None
              ) -> list[RequestOutput]:
@@ -61,7 +77,7 @@ class LLM:
         text = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
+    def _run(self, ids: list[str]) -> dict[str, RequestOutput]:
         done: dict[str, RequestOutput] = {}
         pending = set(ids)
         while pending:
@@ -69,4 +85,11 @@ class LLM:
                 if out.finished and out.request_id in pending:
                     done[out.request_id] = out
                     pending.discard(out.request_id)
-        return [done[i] for i in ids]
+        return done
+
+
+def one_per_sample(params: SamplingParams) -> list[SamplingParams]:
+    """n requests of one sample each; a seeded request's samples take seeds seed, seed+1, ..."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=None if params.seed is None else params.seed + j) for j in range(params.n)]

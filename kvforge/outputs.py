@@ -31,6 +31,17 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a prompt (vLLM's shape): RequestOutput.outputs holds n of them."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict] | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -42,3 +53,10 @@ class RequestOutput:
     metrics: RequestMetrics
     new_token_ids: list[int] = field(default_factory=list)  # generated since the previous step
     logprobs: list[dict] | None = None
+    extra_samples: list[RequestOutput] = field(default_factory=list, repr=False)  # samples 2..n when n > 1
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """Every sample of this prompt: this output's own text first, then the n - 1 others."""
+        return [CompletionOutput(i, o.text, o.token_ids, o.finish_reason, o.logprobs)
+                for i, o in enumerate([self, *self.extra_samples])]

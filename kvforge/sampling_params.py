@@ -9,8 +9,16 @@ from kvforge.errors import InvalidRequestError
 
 @dataclass
 class SamplingParams:
-    """temperature=0 is greedy. top_k <= 0 and top_p == 1 disable those filters."""
+    """temperature=0 is greedy. top_k <= 0 and top_p == 1 disable those filters.
 
+    The defaults are the OpenAI API's (and vLLM's), shared by the CLI and the server: temperature 1.0,
+    top_p 1.0, top_k off, no penalties. n samples per prompt take seeds seed, seed+1, ... when seeded.
+    Penalties follow vLLM: presence_penalty and frequency_penalty (-2..2) subtract from the logits of
+    tokens already generated (once, or once per occurrence); repetition_penalty (> 0, 1 = off) divides
+    positive and multiplies negative logits of every token in the prompt or the output (CTRL's rule).
+    """
+
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -20,6 +28,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -27,6 +38,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         checks = [
+            (isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
             (_number(self.temperature) and self.temperature >= 0, f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}"),
             (_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
@@ -35,6 +47,9 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), f"logprobs must be None or an integer in 0..20, got {self.logprobs!r}"),
+            (_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (_number(self.repetition_penalty) and self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -43,6 +58,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def _number(x) -> bool:

@@ -1,18 +1,28 @@
-"""`kvforge` command line: one module per subcommand, each with `register(subparsers)`."""
+"""kvforge: a KV-cache-centred LLM inference engine, and the lab that measures KV techniques.
+
+Start with `kvforge chat` (the embedded SmolLM2-135M-Instruct; no download) or
+`kvforge generate "Why is the sky blue?"`. Every command takes --help.
+
+Sampling defaults are the OpenAI API's (as vLLM's), the same in the CLI, Python (SamplingParams) and the
+server: temperature 1.0, top_p 1.0, top_k off, no penalties, no seed (fresh randomness every run; --seed N
+reproduces). Pass --temperature 0 for greedy output.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
+from kvforge.cli.formatting import apply_formatter, package_version
 from kvforge.errors import KVForgeError
 
-SUBCOMMANDS = ["generate", "chat", "serve", "bench", "eval", "memory", "advise"]
+SUBCOMMANDS = ["chat", "generate", "serve", "memory", "advise", "eval", "bench"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"kvforge {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         try:
             module = importlib.import_module(f"kvforge.cli.{name}")
@@ -21,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    apply_formatter(parser)
     return parser
 
 

@@ -1,49 +1,148 @@
-"""kvforge chat: an interactive conversation with streamed output."""
+"""kvforge chat: a conversation in the terminal, answers streamed as they are generated.
+
+Line editing and history (arrow keys, Ctrl-R) come from readline. Ctrl-C stops the answer being
+generated (or clears the line being typed) and keeps the conversation; Ctrl-D or /exit quits.
+Commands: /help, /exit, /clear, /system TEXT, /save FILE.
+"""
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
+from kvforge.cli.sampling import add_sampling_options, sampling_params
+from kvforge.errors import ConfigError, KVForgeError
+
+COMMANDS = {
+    "/help": "show these commands",
+    "/exit": "quit (also /quit, Ctrl-D)",
+    "/clear": "forget the conversation (the system prompt stays)",
+    "/system TEXT": "set the system prompt (empty TEXT removes it)",
+    "/save FILE": "write the conversation to FILE as JSON (OpenAI messages)",
+}
+HISTORY_FILE = os.path.join(os.path.expanduser("~"), ".kvforge_history")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("chat", help="interactive chat, streamed (empty line or /exit quits)")
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p = sub.add_parser("chat", help="chat in the terminal (streamed; /help lists commands)", description=__doc__)
+    p.add_argument("--system", default=None, help="system prompt (default: none)")
+    add_sampling_options(p, None, "most tokens per answer (default: until the model stops, up to max-model-len)")
     add_engine_options(p)
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from kvforge import LLM, SamplingParams
-    from kvforge.models.tokenizer import IncrementalDetokenizer
+class Conversation:
+    def __init__(self, system: str | None):
+        self.system = system or None
+        self.turns: list[dict] = []
 
-    llm = LLM(**engine_kwargs(args))
-    engine, tok = llm.engine, llm.get_tokenizer()
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print("you> ", end="", flush=True)
+    @property
+    def messages(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
+
+    def command(self, line: str) -> str | None:
+        """Run a /command; returns what to print, or None to quit."""
+        name, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if name in ("/exit", "/quit"):
+            return None
+        if name == "/clear":
+            self.turns = []
+            return "[conversation cleared]"
+        if name == "/system":
+            self.system = rest or None
+            return f"[system prompt {'set' if rest else 'removed'}]"
+        if name == "/save":
+            if not rest:
+                return "[usage: /save FILE]"
+            try:
+                with open(rest, "w", encoding="utf-8") as f:
+                    json.dump(self.messages, f, indent=2, ensure_ascii=False)
+            except OSError as e:
+                return f"[cannot write {rest}: {e.strerror}]"
+            return f"[saved {len(self.messages)} messages to {rest}]"
+        return "\n".join(f"  {c:<14} {h}" for c, h in COMMANDS.items())
+
+
+def read_line(interactive: bool) -> str | None:
+    """One line of input; None at end of input (Ctrl-D). Ctrl-C while typing gives an empty line."""
+    if not interactive:
         line = sys.stdin.readline()
-        if not line or line.strip() in ("", "/exit", "/quit"):
+        return line.rstrip("\n") if line else None
+    try:
+        return input("you> ")
+    except EOFError:
+        print()
+        return None
+    except KeyboardInterrupt:
+        print()
+        return ""
+
+
+def _enable_readline() -> None:
+    try:
+        import readline
+    except ImportError:  # no readline on this platform: plain input() still works
+        return
+    try:
+        readline.read_history_file(HISTORY_FILE)
+    except OSError:
+        pass
+    import atexit
+
+    atexit.register(_save_history, readline)
+
+
+def _save_history(readline) -> None:
+    try:
+        readline.write_history_file(HISTORY_FILE)
+    except OSError:
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvforge import LLM
+    from kvforge.cli.streaming import stream_request
+
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    llm = LLM(**engine_kwargs(args))
+    tok = llm.get_tokenizer()
+    if tok is None or not tok.chat_template:
+        raise ConfigError("this model has no chat template; use kvforge generate --raw for plain completion")
+    sampling_params(args, 1)  # check the sampling flags before the first turn
+    interactive = sys.stdin.isatty()
+    if interactive:
+        _enable_readline()
+        print(f"kvforge chat with {os.path.basename(llm.engine.loaded.path)}; /help for commands, Ctrl-D or /exit "
+              "quits, Ctrl-C stops an answer", file=sys.stderr)
+    chat = Conversation(args.system)
+    while True:
+        line = read_line(interactive)
+        if line is None:
             return 0
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        rid = engine.add_request(llm.render_chat(messages), params)
-        detok = IncrementalDetokenizer(tok)
-        print("assistant> ", end="", flush=True)
-        final = None
-        while final is None:
-            for out in engine.step():
-                if out.request_id != rid:
-                    continue
-                for t in out.new_token_ids:
-                    if t not in engine.model_config.eos_token_ids:
-                        print(detok.add(t), end="", flush=True)
-                if out.finished:
-                    final = out
-        print(flush=True)
-        messages.append({"role": "assistant", "content": final.text})
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            said = chat.command(line)
+            if said is None:
+                return 0
+            print(said, flush=True)
+            continue
+        chat.turns.append({"role": "user", "content": line})
+        try:
+            ids = llm.render_chat(chat.messages)
+            room = llm.engine.max_model_len - len(ids)
+            params = sampling_params(args, min(args.max_tokens or room, max(room, 1)))
+            if interactive:
+                print("assistant> ", end="", flush=True)
+            answer = stream_request(llm.engine, ids, params)
+        except KVForgeError as e:  # e.g. the conversation outgrew max_model_len: keep the session
+            chat.turns.pop()
+            print(f"\n[error: {e}; /clear starts over]", flush=True)
+            continue
+        print(" [stopped]" if answer.interrupted else "", flush=True)
+        chat.turns.append({"role": "assistant", "content": answer.text})

@@ -3,28 +3,38 @@ from __future__ import annotations
 
 import argparse
 
+from kvforge.config import EngineConfig
 from kvforge.memcalc import parse_size
 from kvforge.options import json_object
 
 
-def add_engine_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
-    g.add_argument("--kv-memory", default=None, help="KV cache budget, e.g. 512MiB (default: 10%% of free memory)")
+def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) -> None:
+    g = p.add_argument_group("engine (vLLM's names where vLLM has the option)")
+    if model_option:
+        g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
+    memory = g.add_mutually_exclusive_group()
+    memory.add_argument("--kv-memory", "--kv-cache-memory", default=None, metavar="SIZE",
+                        help="KV cache budget, e.g. 512MiB, 2GB (default: --gpu-memory-utilization of free memory)")
+    memory.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                        help="share of free device memory (CPU: free RAM) given to the KV cache, in (0, 0.95] "
+                             f"(default: {EngineConfig.kv_cache_memory_fraction})")
     add_format_options(g)
-    g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"], help="KV cache layout")
+    g.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="most sequences running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="tokens per step (the chunked-prefill budget)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt + output (default: the model's context length)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix sharing off")
-    g.add_argument("--device", default=None)
+    g.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda:0 (default: cuda when present, else cpu)")
     add_policy_options(g)
 
 
 def add_format_options(g) -> None:
-    g.add_argument("--kv-dtype", default="fp32", help="KV storage format: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4, kivi2")
-    g.add_argument("--kv-options", default=None, help='format options as JSON, e.g. \'{"group_size": 32}\'')
+    g.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default="fp32",
+                   help="KV storage format: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4, kivi2")
+    g.add_argument("--kv-options", default=None, help='format options as JSON, e.g. \'{"group_size": 32}\' (default: none)')
 
 
 def format_kwargs(args: argparse.Namespace) -> dict:
@@ -35,8 +45,10 @@ def format_kwargs(args: argparse.Namespace) -> dict:
 def add_policy_options(g) -> None:
     g.add_argument("--kv-policy", default=None, choices=["full", "window", "streaming", "h2o", "scissorhands", "snapkv"],
                    help="KV eviction policy (default: full; window for sliding-window models)")
-    g.add_argument("--budget", type=_budget, default=None, help="KV tokens kept: a count (1024) or a fraction (0.5)")
-    g.add_argument("--kv-policy-options", default=None, help='more policy options as JSON, e.g. \'{"sinks": 4}\'')
+    g.add_argument("--budget", type=_budget, default=None,
+                   help="KV tokens kept by --kv-policy: a count (1024) or a fraction (0.5) (default: the policy's)")
+    g.add_argument("--kv-policy-options", default=None,
+                   help='more policy options as JSON, e.g. \'{"sinks": 4}\' (default: none)')
 
 
 def _budget(text: str) -> int | float:
@@ -60,6 +72,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
         "kv_cache_memory": parse_size(args.kv_memory) if args.kv_memory else None,
+        **({"kv_cache_memory_fraction": args.gpu_memory_utilization} if args.gpu_memory_utilization is not None else {}),
         **format_kwargs(args),
         "kv_layout": args.kv_layout,
         "block_size": args.block_size,

@@ -1,39 +1,116 @@
-"""kvforge generate: one completion, printed as text or JSON with KV cache statistics."""
+"""kvforge generate: complete one prompt, streamed as text, or printed as JSON with KV cache statistics.
+
+A model with a chat template gets the prompt as a user message (as Ollama and llama.cpp's conversation
+mode do); --raw sends the text as it is. The prompt comes from the argument, --prompt, --prompt-file,
+or standard input when none is given.
+"""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
+from kvforge.cli.sampling import add_sampling_options, sampling_params
+from kvforge.errors import ConfigError
+
+MAX_TOKENS = 256
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="generate a completion for one prompt")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("generate", help="complete one prompt (chat template applied when the model has one)",
+                       description=__doc__)
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt (default: --prompt, --prompt-file or stdin)")
+    p.add_argument("-p", "--prompt", dest="prompt_option", default=None, metavar="TEXT",
+                   help="the prompt, as an option (default: none)")
+    p.add_argument("-f", "--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE; - = stdin "
+                                                                           "(default: none)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--raw", "--no-chat", dest="raw", action="store_true",
+                      help="send the prompt as plain text, without the chat template")
+    mode.add_argument("--chat", action="store_true", help="require the chat template (error if the model has none)")
+    p.add_argument("--system", default=None, help="system prompt (chat template only; default: none)")
+    p.add_argument("-n", "--n", dest="n", type=int, default=1, help="completions to generate for the prompt")
+    p.add_argument("--no-stream", action="store_true", help="print the answer when it is complete, not token by token")
+    p.add_argument("--json", action="store_true", help="print JSON: text, token_ids, KV statistics (implies --no-stream)")
+    add_sampling_options(p, MAX_TOKENS, "most tokens to generate")
     add_engine_options(p)
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from kvforge import LLM, SamplingParams
+def read_prompt(args: argparse.Namespace) -> str:
+    given = [x for x in (args.prompt, args.prompt_option, args.prompt_file) if x is not None]
+    if len(given) > 1:
+        raise ConfigError("give the prompt once: as the argument, --prompt or --prompt-file")
+    if args.prompt_file not in (None, "-"):
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ConfigError(f"cannot read --prompt-file {args.prompt_file!r}: {e.strerror}") from None
+    if given and args.prompt_file is None:
+        return given[0]
+    if args.prompt_file is None and sys.stdin.isatty():
+        raise ConfigError('no prompt: give one as an argument (kvforge generate "Why is the sky blue?"), '
+                          "with --prompt-file FILE, or on standard input")
+    return sys.stdin.read()
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
+
+def prompt_ids(llm, text: str, args: argparse.Namespace) -> list[int]:
+    tok = llm.get_tokenizer()
+    if tok is None:
+        raise ConfigError("this model has no tokenizer; kvforge generate needs one (use the Python API with token ids)")
+    templated = not args.raw and bool(tok.chat_template)
+    if args.chat and not tok.chat_template:
+        raise ConfigError("--chat: this model has no chat template; leave --chat out to send the text as is")
+    if args.system and not templated:
+        raise ConfigError("--system needs the chat template; leave out --raw, or put the system text in the prompt")
+    if not templated:
+        return tok.encode(text)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+    return llm.render_chat(messages)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvforge import LLM
+    from kvforge.cli.streaming import stream_request
+
+    text = read_prompt(args)
+    if not text.strip():
+        raise ConfigError("the prompt is empty")
+    if args.n < 1:
+        raise ConfigError(f"-n must be >= 1, got {args.n}")
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    params = sampling_params(args, args.max_tokens, args.n)
     llm = LLM(**engine_kwargs(args))
-    engine = llm.engine
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    ids = prompt_ids(llm, text, args)
+    if args.json or args.no_stream or args.n > 1:
+        outs = llm.generate(ids, params)[0].outputs
+        if args.json:
+            samples = [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason} for o in outs]
+            body = {**samples[0], **({"samples": samples} if args.n > 1 else {}), "stats": kv_stats(llm.engine, ids, outs)}
+            json.dump(body, sys.stdout, indent=2)
+            print()
+            return 0
+        for i, o in enumerate(outs):
+            if len(outs) > 1:
+                print(f"--- sample {i + 1} of {len(outs)} ---")
+            print(o.text)
     else:
-        out = llm.generate(args.prompt, params)[0]
+        streamed = stream_request(llm.engine, ids, params)
+        print()
+        if streamed.interrupted:
+            print("[interrupted]", file=sys.stderr)
+            return 130
+        outs = streamed.output.outputs
+    print(summary(kv_stats(llm.engine, ids, outs)), file=sys.stderr)
+    return 0
+
+
+def kv_stats(engine, ids: list[int], outs) -> dict:
     s = engine.stats()
-    stats = {
+    return {
         "kv_blocks_total": s["kv_blocks_total"],
         "kv_blocks_used_peak": s["kv_blocks_used_peak"],
         "kv_blocks_used_now": s["kv_blocks_used"],
@@ -42,19 +119,14 @@ def run(args) -> int:
         "kv_bytes_peak": s["kv_blocks_used_peak"] * engine.kv.block_bytes,
         "kv_bytes_total": s["kv_bytes_total"],
         "kv_cache_dtype": s["kv_cache_dtype"],
-        "prompt_tokens": out.metrics.prompt_tokens,
-        "generated_tokens": out.metrics.generated_tokens,
-        "ttft_s": out.metrics.ttft,
-        "finish_reason": out.finish_reason,
+        "prompt_tokens": len(ids),
+        "generated_tokens": sum(len(o.token_ids) for o in outs),
+        "finish_reason": outs[0].finish_reason,
     }
-    if args.json:
-        json.dump({"text": out.text, "token_ids": out.token_ids, "stats": stats}, sys.stdout, indent=2)
-        print()
-    else:
-        print((args.prompt if not args.chat else "") + out.text)
-        print(f"\n[kv cache] {stats['kv_cache_dtype']}, {stats['kv_bytes_per_token']:.0f} bytes/token, "
-              f"peak {stats['kv_blocks_used_peak']}/{stats['kv_blocks_total']} blocks of {stats['kv_block_size']} tokens "
-              f"= {stats['kv_bytes_peak'] / 2**20:.2f} MiB of {stats['kv_bytes_total'] / 2**20:.0f} MiB; "
-              f"{stats['prompt_tokens']} prompt + {stats['generated_tokens']} generated tokens, "
-              f"ttft {stats['ttft_s']:.3f}s, finish: {stats['finish_reason']}", file=sys.stderr)
-    return 0
+
+
+def summary(st: dict) -> str:
+    return (f"[kv cache] {st['kv_cache_dtype']}, {st['kv_bytes_per_token']:.0f} bytes/token, peak "
+            f"{st['kv_blocks_used_peak']}/{st['kv_blocks_total']} blocks of {st['kv_block_size']} tokens = "
+            f"{st['kv_bytes_peak'] / 2**20:.2f} MiB of {st['kv_bytes_total'] / 2**20:.0f} MiB; {st['prompt_tokens']} prompt + "
+            f"{st['generated_tokens']} generated tokens, finish: {st['finish_reason']}")

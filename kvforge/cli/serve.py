@@ -1,23 +1,62 @@
-"""kvforge serve: the OpenAI-compatible HTTP server (FastAPI + uvicorn, one engine loop thread)."""
+"""kvforge serve [MODEL]: the OpenAI-compatible HTTP server (FastAPI + uvicorn, one engine loop thread).
+
+The port is taken before the model loads, so a busy port fails at once.
+"""
 from __future__ import annotations
 
+import socket
+import sys
+
 from kvforge.cli.common import add_engine_options, engine_kwargs
+from kvforge.errors import ConfigError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API", description=__doc__)
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="GGUF file or Hugging Face directory, as in `vllm serve MODEL` (default: --model, "
+                        "else the embedded SmolLM2-135M)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require 'Authorization: Bearer KEY'; repeat for several keys (tenants)")
+                   help="require 'Authorization: Bearer KEY'; repeat for several keys (tenants) (default: no key)")
     p.add_argument("--share-prefix-cache-across-keys", action="store_true",
                    help="let requests of different API keys share prefix-cache blocks (default: isolated per key)")
     p.add_argument("--max-waiting", type=int, default=512,
                    help="requests allowed to wait for a slot before new ones get 429 (0 = unlimited)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: file name)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
     add_engine_options(p)
     p.set_defaults(func=run)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Take the port now (as uvicorn would), or say who cannot have it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; stop what uses the port or pick another "
+                          "with --port") from None
+    return sock
+
+
+def startup_lines(engine, model_name: str, url: str) -> list[str]:
+    s = engine.stats()
+    per_token = engine.kv.block_bytes / engine.kv.block_size
+    cfg = engine.config
+    return [
+        f"model: {model_name} ({engine.loaded.path}), max_model_len {engine.max_model_len:,} tokens, device {engine.device}",
+        f"KV cache: {s['kv_cache_dtype']} ({per_token:,.0f} bytes/token), {cfg.kv_layout} layout, "
+        f"{s['kv_blocks_total']:,} blocks of {s['kv_block_size']} tokens = {s['kv_bytes_total'] / 2**20:,.1f} MiB "
+        f"({s['kv_blocks_total'] * s['kv_block_size']:,} tokens), policy {engine.policy.name}, "
+        f"prefix caching {'on' if engine.kv.prefix_tree is not None else 'off'}",
+        f"serving the OpenAI API at {url}/v1 (max_num_seqs {cfg.max_num_seqs})",
+    ]
 
 
 def run(args) -> int:
@@ -25,15 +64,27 @@ def run(args) -> int:
 
     from kvforge.config import EngineConfig
     from kvforge.engine.engine import LLMEngine
-    from kvforge.errors import ConfigError
     from kvforge.server import ServerConfig, build_app
+    from kvforge.server.app import _model_name as model_name
 
     if args.max_waiting < 0:
         raise ConfigError(f"--max-waiting must be >= 0 (0 = unlimited), got {args.max_waiting}")
     if any(not k for k in args.api_key):
         raise ConfigError("--api-key must not be empty")
-    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
-    config = ServerConfig(api_keys=list(args.api_key), share_prefix_cache_across_keys=args.share_prefix_cache_across_keys,
-                          max_waiting=args.max_waiting or None, served_model_name=args.served_model_name)
-    uvicorn.run(build_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    if args.model_path and args.model and args.model_path != args.model:
+        raise ConfigError(f"two models given: {args.model_path!r} and --model {args.model!r}; give one")
+    args.model = args.model_path or args.model
+    sock = bind(args.host, args.port)
+    try:
+        engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+        config = ServerConfig(api_keys=list(args.api_key),
+                              share_prefix_cache_across_keys=args.share_prefix_cache_across_keys,
+                              max_waiting=args.max_waiting or None, served_model_name=args.served_model_name)
+        name = args.served_model_name or model_name(engine)
+        for line in startup_lines(engine, name, f"http://{args.host}:{args.port}"):
+            print(f"kvforge: {line}", file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(build_app(engine, config), log_level=args.log_level))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

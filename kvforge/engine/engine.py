@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import itertools
+import random
 import time
 
 import torch
 
-from kvforge.config import EngineConfig
+from kvforge.config import EngineConfig, check_max_model_len
 from kvforge.engine.host_memory import keep_freed_memory
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import Scheduler
@@ -28,16 +29,19 @@ class LLMEngine:
         self.config = config
         self.device = config.resolve_device()
         keep_freed_memory()
-        torch.manual_seed(config.seed)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self._request_seeds = random.Random(config.seed)  # seed=None: fresh OS entropy every run
         self.loaded = loaded or load_model(config.model, self.device)
         self.model_config = cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.spec = KVCacheSpec.from_model_config(cfg)
         self.format = get_format(config.kv_cache_dtype, **(config.kv_cache_options or {}))
         self.format.validate(self.spec, config.block_size)
-        num_blocks = self._num_blocks()
         self.policy = build_policy(config.kv_policy, config.kv_policy_options, cfg.sliding_window)
+        check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
+        num_blocks = self._num_blocks()
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
@@ -80,6 +84,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise InvalidRequestError(f"engine.add_request takes one sample (n=1), got n={params.n}; LLM.generate and "
+                                      "the server expand n into n requests")
         text, ids = self._prompt_ids(prompt)
         if len(ids) >= self.length_limit:
             raise PromptTooLongError(
@@ -90,7 +97,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, text, ids, params, time.monotonic(), cache_salt)
         if seq.generator is None and not params.greedy:
-            seq.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+            seq.generator = torch.Generator().manual_seed(self._request_seeds.getrandbits(62))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id

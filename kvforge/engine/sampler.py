@@ -1,4 +1,4 @@
-"""Sampler: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+"""Sampler: penalties, greedy, temperature, top-k, top-p, with per-request seeded generators."""
 from __future__ import annotations
 
 import torch
@@ -8,11 +8,42 @@ from kvforge.engine.sequence import Sequence
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One next token per row of logits [N, vocab] (fp32)."""
+    logits = apply_penalties(logits, seqs)
     tokens = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         if not seq.params.greedy:
             tokens[row] = _sample_row(logits[row], seq)
     return tokens
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Presence, frequency and repetition penalties for the rows that ask for any, in one batched pass."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]
+    if not rows:
+        return logits
+    picked = [seqs[i] for i in rows]
+    vocab, dev = logits.shape[-1], logits.device
+    out_counts = token_counts([s.output_token_ids for s in picked], vocab, dev)
+    seen = token_counts([s.token_ids for s in picked], vocab, dev) > 0
+    column = (lambda name: torch.tensor([getattr(s.params, name) for s in picked], dtype=logits.dtype, device=dev)[:, None])
+    rep = column("repetition_penalty")
+    sub = logits[rows]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - column("frequency_penalty") * out_counts - column("presence_penalty") * (out_counts > 0)
+    logits = logits.clone()
+    logits[rows] = sub
+    return logits
+
+
+def token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[len(token_lists), vocab] occurrence counts (fp32), from one padded scatter_add."""
+    width = max(1, max(len(t) for t in token_lists))
+    ids = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+    for r, t in enumerate(token_lists):
+        ids[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
+    return counts[:, :vocab]
 
 
 def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:

@@ -1,0 +1,64 @@
+"""`kvforge chat` at a real terminal (a pseudo-terminal): Ctrl-C, readline editing and history, commands, Ctrl-D."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from pty_session import PtySession
+
+CHAT = [sys.executable, "-m", "kvforge.cli", "chat", "--temperature", "0", "--kv-memory", "128MiB",
+        "--max-model-len", "2048", "--system", "You are helpful."]
+
+
+def test_chat_session_survives_ctrl_c_and_keeps_history(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path), "TERM": "xterm", "OMP_NUM_THREADS": "1"}
+    s = PtySession(CHAT + ["--ignore-eos", "--max-tokens", "4000"], env)
+    try:
+        s.expect("you> ")
+        s.send("Count from one to a thousand in words.\r")
+        s.expect("assistant> ")
+        s.expect(r"\w+ \w+")
+        s.send("\x03")  # Ctrl-C while generating: the answer stops, the session stays
+        assert "[stopped]" in s.expect("you> ")
+        s.send("/system Be brief.\r")
+        assert "[system prompt set]" in s.expect("you> ")
+        s.send("helo\x1b[D\x1b[Dl\r")  # typed "helo", two left arrows, "l": readline edits it to "hello"
+        s.expect("assistant> ")
+        s.expect(r"\w")
+        s.send("\x03")
+        s.expect("you> ")
+        s.send("half-typed line\x03")  # Ctrl-C at the prompt drops the line, not the program
+        s.expect("you> ")
+        s.send(f"/save {tmp_path}/conversation.json\r")
+        assert "saved 5 messages" in s.expect("you> ")
+        s.send("\x1b[A\r")  # up arrow: history recalls the /save line
+        assert "saved 5 messages" in s.expect("you> ")
+        s.send("/clear\r")
+        assert "[conversation cleared]" in s.expect("you> ")
+        s.send(f"/save {tmp_path}/cleared.json\r")
+        s.expect("saved 1 messages")
+        s.send("\x04")  # Ctrl-D quits cleanly
+        assert s.wait() == 0
+    finally:
+        s.kill()
+    assert "Traceback" not in s.output
+    saved = json.loads((tmp_path / "conversation.json").read_text())
+    assert [m["role"] for m in saved] == ["system", "user", "assistant", "user", "assistant"]
+    assert saved[0]["content"] == "Be brief."
+    assert saved[3]["content"] == "hello"
+    assert saved[2]["content"].strip() and saved[2]["content"] in s.output  # the shown, interrupted answer
+    assert json.loads((tmp_path / "cleared.json").read_text()) == [{"role": "system", "content": "Be brief."}]
+    assert "hello" in (tmp_path / ".kvforge_history").read_text()
+
+
+def test_chat_exit_command_and_piped_input(tmp_path):
+    """Without a terminal, chat reads one message per line; empty lines are skipped and /exit quits."""
+    import subprocess
+
+    env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(CHAT + ["--max-tokens", "8"], input="\nWhat is 2+2?\n/exit\nnot read\n", text=True,
+                       capture_output=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()  # one answer, and "not read" never was
+    assert r.stdout.count("\n") == 1
