@@ -22,7 +22,7 @@ from kvforge.kv.memory import (
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.models.config import ModelConfig
 from kvforge.models.hf_config import load_hf_config
-from kvforge.presets import PRESETS, get_preset
+from kvforge.presets import PRESETS, PUBLISHED_DTYPE, get_preset
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -45,12 +45,16 @@ class ResolvedModel:
     name: str
     config: ModelConfig
     file_weights_bytes: int | None = None  # tensor bytes of a GGUF file, when known
+    published_dtype: str | None = None  # a preset's or config.json's weight dtype
+
+
+_HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
 
 
 def resolve_model(source: str) -> ResolvedModel:
     """A preset name, a config.json (or a directory holding one), or a GGUF file."""
     if source.lower() in PRESETS:
-        return ResolvedModel(source.lower(), get_preset(source))
+        return ResolvedModel(source.lower(), get_preset(source), published_dtype=PUBLISHED_DTYPE[source.lower()])
     path = Path(source)
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
@@ -58,9 +62,33 @@ def resolve_model(source: str) -> ResolvedModel:
     if path.is_file() and path.suffix == ".gguf":
         return _resolve_gguf(path)
     if path.is_dir() or path.is_file():
-        return ResolvedModel(str(source), load_hf_config(path))
+        return ResolvedModel(str(source), load_hf_config(path), published_dtype=_config_dtype(path))
     raise ConfigError(f"{source!r} is neither a model preset nor an existing path; presets: {', '.join(PRESETS)}; "
                       "or give a Hugging Face config.json, a directory holding one, or a .gguf file")
+
+
+def _config_dtype(path: Path) -> str | None:
+    import json
+
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return _HF_DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype")))
+
+
+def default_weights(m: ResolvedModel, weights_dtype: str | None = None) -> tuple[int, str]:
+    """Weight bytes and where they come from: --weights-dtype, a GGUF file's tensors, else the parameter count
+    at the published dtype (fp16 when unknown). `kvforge memory` and `kvforge advise` both use this."""
+    params = parameter_count(m.config)
+    if weights_dtype is None and m.file_weights_bytes:
+        return m.file_weights_bytes, "the GGUF file's tensors"
+    if weights_dtype is not None:
+        return weight_bytes(m.config, weights_dtype), f"{params / 1e9:.2f}B parameters at {weights_dtype}"
+    dtype = m.published_dtype or "fp16"
+    how = "the published dtype" if m.published_dtype else "assumed: no dtype known; --weights-dtype sets it"
+    return weight_bytes(m.config, dtype), f"{params / 1e9:.2f}B parameters at {dtype}, {how}"
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -120,6 +148,7 @@ class Fits:
     num_blocks: int
     max_batch: int  # sequences of seq_len tokens
     max_seq_len: int  # tokens per sequence at batch
+    weights_source: str = "given"  # how weights_bytes was found
 
 
 @dataclass
@@ -177,11 +206,12 @@ def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch:
         parameter_count(cfg), spec.elements_per_token, per_token, bytes_per_block(spec, fmt, block_size), side, per_seq,
         per_seq * batch, _whole((per_seq - side - seq_len * per_token) * batch), mha, per_token / mha,
     )
-    if weights is None and weights_dtype is not None:
-        weights = weight_bytes(cfg, weights_dtype)
     if memory is not None:
-        weights = weights if weights is not None else (m.file_weights_bytes or 0)
+        source = "given (--weights)"
+        if weights is None:
+            weights, source = default_weights(m, weights_dtype)
         report.fits = what_fits(spec, fmt, block_size, memory, weights, seq_len, batch)
+        report.fits.weights_source = source
     report.notes = _notes(report, cfg)
     return report
 

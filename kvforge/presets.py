@@ -53,6 +53,14 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+# the dtype each model's weights are published in (their config.json's torch_dtype): the default weight estimate
+PUBLISHED_DTYPE: dict[str, str] = {
+    "llama-2-7b": "fp16", "llama-2-13b": "fp16", "llama-2-70b": "fp16", "llama-3-8b": "bf16", "llama-3-70b": "bf16",
+    "mistral-7b": "bf16", "qwen2.5-7b": "bf16", "qwen2.5-72b": "bf16", "smollm2-135m": "bf16", "deepseek-v2": "bf16",
+    "deepseek-v3": "fp8",
+}
+
+
 def get_preset(name: str) -> ModelConfig:
     try:
         return copy.deepcopy(PRESETS[name.lower()])

@@ -80,6 +80,7 @@ class MemoryConsequence:
     weights_bytes: int | None
     kv_budget_bytes: int | None
     lines: list[MemoryLine]
+    weights_source: str | None = None  # how weights_bytes was estimated (memcalc.default_weights)
 
     @property
     def saving(self) -> float:

@@ -11,15 +11,17 @@ from kvforge.errors import ConfigError, KVForgeError
 from kvforge.kv.formats import get_format
 from kvforge.kv.policies.base import KVPolicy
 from kvforge.kv.spec import KVCacheSpec
-from kvforge.memcalc import ResolvedModel, memory_report, resolve_model, weight_bytes
+from kvforge.memcalc import ResolvedModel, default_weights, memory_report, resolve_model
 
 LONG_CONTEXT = 32 * 1024
 STREAMING_BUDGET = 4096  # StreamingLLM's cache when memory does not ask for less
 MIN_CACHE = 256
-# Perplexity increase (%) of each format vs the fp32 cache, measured by `kvforge advise --measure` (one
-# sequence per engine, 1,024 tokens of Hamlet) on the embedded SmolLM2-135M; bf16 from `kvforge eval ppl`.
-# A prior only: formats are still being tuned, and `advise --measure` measures the user's own model.
-PRIOR_LOSS = {"fp32": 0.0, "fp16": 0.004, "bf16": 0.02, "fp8_e4m3": 1.2, "int8": 0.11, "int4": 1.8, "kivi2": 2.5}
+# Perplexity increase (%) of each format vs the fp32 cache: the project's measurement in docs/results.md
+# ("KV quantization": `kvforge eval ppl --kv-dtype D --max-tokens 4096`, 4,096 tokens of Hamlet, SmolLM2-135M).
+# A prior only; `advise --measure` measures the user's own model. A test keeps this equal to that table.
+PRIOR_LOSS = {"fp32": 0.0, "fp16": 0.0, "bf16": 0.01, "fp8_e4m3": 0.74, "fp8_e5m2": 3.39, "int8": 0.11, "int4": 0.41,
+              "kivi2": 3.21}
+PRIOR_SOURCE = "measured on SmolLM2-135M, 4,096 tokens of Hamlet (docs/results.md)"
 LADDER = ("fp16", "int8", "int4", "kivi2")  # each rung smaller and lossier than the last
 MLA_LADDER = ("fp16", "int8")
 POLICY_NAMES = {"streaming": "StreamingLLM", "snapkv": "SnapKV", "h2o": "H2O"}
@@ -63,10 +65,8 @@ class Advice:
                 "memory": self.memory.to_dict(), "notes": self.notes}
 
 
-def _weights(m: ResolvedModel, inputs: AdviseInputs) -> int:
-    if inputs.weights_dtype is None and m.file_weights_bytes:
-        return m.file_weights_bytes
-    return weight_bytes(m.config, inputs.weights_dtype or "fp16")
+def _weights(m: ResolvedModel, inputs: AdviseInputs) -> tuple[int, str]:
+    return default_weights(m, inputs.weights_dtype)
 
 
 def _usable(m: ResolvedModel, name: str, block_size: int) -> bool:
@@ -81,7 +81,7 @@ def advise(inputs: AdviseInputs) -> Advice:
     m = resolve_model(inputs.model)
     cfg, path, notes = m.config, [], []
     model_ctx = cfg.max_position_embeddings
-    weights = _weights(m, inputs)
+    weights, weights_source = _weights(m, inputs)
     mem, batch, bs = inputs.memory, inputs.batch, inputs.block_size
 
     # 1. context
@@ -124,10 +124,11 @@ def advise(inputs: AdviseInputs) -> Advice:
 
     # 4. loss tolerance -> format
     tol = inputs.tolerance
-    allowed = [f for f in ladder if PRIOR_LOSS[f] <= tol]
+    allowed = [f for f in ladder if PRIOR_LOSS[f] <= tol] if tol > 0 else []  # 0: exact fp32, not rounded fp16
     src = "flag --max-quality-loss" if inputs.max_quality_loss is not None else f"default of priority {inputs.priority}"
     path.append(Step("Can some quality loss be tolerated?", f"yes, up to {tol:g}%" if tol > 0 else "no", src,
-                     "allowed: " + (", ".join(f"{f} (~{PRIOR_LOSS[f]:g}%)" for f in allowed) or "fp32 only")))
+                     "allowed: " + (", ".join(f"{f} (+{PRIOR_LOSS[f]:g}%)" for f in allowed) or "fp32 only")
+                     + f"; losses {PRIOR_SOURCE}"))
     if not allowed:
         dtype = "fp32"
     elif extreme:
@@ -172,11 +173,11 @@ def advise(inputs: AdviseInputs) -> Advice:
                      "blocks are allocated as sequences grow; prefix sharing and eviction need blocks"))
     options = {"budget": budget, **({"sinks": 4} if policy == "streaming" else {})} if policy else None
     rec = Recommendation(dtype, "paged", prefix, policy, options, bs)
-    return Advice(m.name, kind, inputs, path, rec, _consequence(m, rec, context, beyond, weights, inputs), notes)
+    return Advice(m.name, kind, inputs, path, rec, _consequence(m, rec, context, beyond, weights, inputs, weights_source), notes)
 
 
 def _consequence(m: ResolvedModel, rec: Recommendation, context: int, beyond: bool, weights: int,
-                 inputs: AdviseInputs) -> MemoryConsequence:
+                 inputs: AdviseInputs, weights_source: str) -> MemoryConsequence:
     model_ctx = m.config.max_position_embeddings
     full = min(context, model_ctx)
     mem, bs = inputs.memory, inputs.block_size
@@ -185,4 +186,5 @@ def _consequence(m: ResolvedModel, rec: Recommendation, context: int, beyond: bo
              memory_line(m, "fp16 full cache", "fp16", full, bs, mem, weights),
              memory_line(m, f"recommended: {rec.label}", rec.kv_cache_dtype, kept, bs, mem, weights)]
     budget = None if mem is None else max(mem - weights, 0)
-    return MemoryConsequence(full, weights if mem is not None else None, budget, lines)
+    return MemoryConsequence(full, weights if mem is not None else None, budget, lines,
+                             weights_source if mem is not None else None)

@@ -32,17 +32,17 @@ class Result:
 def register_serve(bsub) -> None:
     p = bsub.add_parser("serve", help="latency and throughput of a running server (kvforge serve)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="bearer key the server asks for (default: none)")
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"))
+    p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"), help="prompt tokens, uniform in [MIN, MAX]")
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"), help="output tokens, uniform in [MIN, MAX]")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second (default: inf, all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight (default: no limit)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.set_defaults(func=run_serve_bench)
 
 

@@ -42,3 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     except KVForgeError as e:
         print(f"kvforge: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        sys.stderr.close()
+        return 0

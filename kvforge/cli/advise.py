@@ -24,15 +24,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: the embedded SmolLM2-135M)")
     p.add_argument("--context", default=None, help="typical tokens per sequence: 8192, 32K, or 'unbounded' "
                                                    "(default: min(model context, 4096))")
-    p.add_argument("--priority", choices=PRIORITIES, default="balanced")
+    p.add_argument("--priority", choices=PRIORITIES, default="balanced", help="what to favour: quality, memory or both")
     p.add_argument("--max-quality-loss", type=float, default=None, metavar="PCT",
                    help="largest perplexity increase accepted, in %% (default: quality 0.1, balanced 1, efficiency 2)")
     p.add_argument("--shared-prefix", action="store_true", help="requests share system prompts / multi-turn history")
-    p.add_argument("--memory", help="device memory for weights + KV, e.g. 24GiB, 512MiB")
+    p.add_argument("--memory", help="device memory for weights + KV, e.g. 24GiB, 512MiB (default: none, no fit check)")
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
     p.add_argument("--weights-dtype", choices=list(WEIGHT_BYTES_PER_PARAM), default=None,
-                   help="estimate weight bytes (default: a GGUF file's tensors, else fp16)")
-    p.add_argument("--block-size", type=int, default=16)
+                   help="estimate weight bytes from the parameter count at this dtype (default: a GGUF file's "
+                        "tensors, else the published dtype, as in kvforge memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     m = p.add_argument_group("measure")
     m.add_argument("--measure", action="store_true", help="measure candidates on the model instead of trusting the tree")
     m.add_argument("--candidates", default=None,
@@ -40,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"(default: {','.join(MEASURE_DTYPES)} and the tree's pick)")
     m.add_argument("--eval-tokens", type=int, default=1024, help="tokens of text for perplexity (default 1024)")
     m.add_argument("--text", default="hamlet", help="hamlet, macbeth, gpl-3, ... (see kvforge eval ppl)")
-    m.add_argument("--text-file", default=None)
+    m.add_argument("--text-file", default=None, help="score this UTF-8 file instead of --text (default: none)")
     m.add_argument("--requests", type=int, default=4, help="requests in the speed workload (default 4)")
     m.add_argument("--output-tokens", type=int, default=32, help="tokens each speed request decodes (default 32)")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -134,7 +135,8 @@ def _memory_lines(a: Advice) -> list[str]:
     mc = a.memory
     head = f"memory at {mc.context:,} tokens per sequence"
     if mc.kv_budget_bytes is not None:
-        head += f" (KV budget {human(mc.kv_budget_bytes)} = memory - {human(mc.weights_bytes)} of weights)"
+        head += (f" (KV budget {human(mc.kv_budget_bytes)} = memory - {human(mc.weights_bytes)} of weights: "
+                 f"{mc.weights_source})")
     out = [head + ":", f"  {'configuration':<36}{'B/token':>10}{'tokens':>9}{'per sequence':>14}"
            + (f"{'max batch':>11}" if mc.kv_budget_bytes is not None else "")]
     for ln in mc.lines:

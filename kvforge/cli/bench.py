@@ -6,6 +6,8 @@ import sys
 
 from kvforge.cli.common import add_engine_options, engine_kwargs, parse_size
 
+MODEL_HELP = "GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M)"
+
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks against a baseline in the same run")
@@ -23,23 +25,24 @@ def register(sub) -> None:
     m = bsub.add_parser("memory", help="paged vs contiguous KV layout under one budget")
     _workload_options(m)
     m.add_argument("--budget", default=None, help="KV budget (default: four contiguous sequences)")
-    m.add_argument("--max-model-len", type=int, default=2048)
-    m.add_argument("--max-num-seqs", type=int, default=64)
-    m.add_argument("--model", default=None)
+    m.add_argument("--max-model-len", type=int, default=2048, help="longest sequence, prompt + output")
+    m.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
+    m.add_argument("--model", default=None, help=MODEL_HELP)
     m.set_defaults(func=run_memory)
 
     x = bsub.add_parser("prefix", help="shared system prompt and multi-turn chats, prefix caching off vs on")
-    x.add_argument("--num-requests", type=int, default=100)
-    x.add_argument("--system-len", type=int, default=2000)
-    x.add_argument("--question-len", type=int, nargs=2, default=[50, 200], metavar=("MIN", "MAX"))
-    x.add_argument("--max-tokens", type=int, default=32)
-    x.add_argument("--budget", default="4GiB")
-    x.add_argument("--conversations", type=int, default=20)
-    x.add_argument("--turns", type=int, default=5)
-    x.add_argument("--seed", type=int, default=0)
-    x.add_argument("--model", default=None)
-    x.add_argument("--json", action="store_true")
-    x.add_argument("--no-progress", action="store_true")
+    x.add_argument("--num-requests", type=int, default=100, help="requests sharing one system prompt")
+    x.add_argument("--system-len", type=int, default=2000, help="tokens of the shared system prompt")
+    x.add_argument("--question-len", type=int, nargs=2, default=[50, 200], metavar=("MIN", "MAX"),
+                   help="tokens of each request's own question, uniform in [MIN, MAX]")
+    x.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    x.add_argument("--budget", default="4GiB", help="KV cache budget")
+    x.add_argument("--conversations", type=int, default=20, help="multi-turn conversations")
+    x.add_argument("--turns", type=int, default=5, help="turns per conversation")
+    x.add_argument("--seed", type=int, default=0, help="workload seed")
+    x.add_argument("--model", default=None, help=MODEL_HELP)
+    x.add_argument("--json", action="store_true", help="print JSON")
+    x.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     x.set_defaults(func=run_prefix)
 
     f = bsub.add_parser("kv-formats", help="bytes/token, 2k-token sequences per budget, decode speed for each format")
@@ -48,13 +51,13 @@ def register(sub) -> None:
     f.add_argument("--quality-tokens", type=int, default=0,
                    help="also score perplexity on this many tokens of --text (decode-faithful, vs an fp32 cache)")
     f.add_argument("--text", default="hamlet", help="text for --quality-tokens (as in kvforge eval ppl)")
-    f.add_argument("--budget", default="1GiB")
-    f.add_argument("--seq-len", type=int, default=2048)
-    f.add_argument("--batch", type=int, default=4)
+    f.add_argument("--budget", default="1GiB", help="KV budget for the capacity column")
+    f.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence for capacity and decode")
+    f.add_argument("--batch", type=int, default=4, help="sequences decoded together")
     f.add_argument("--steps", type=int, default=16, help="decode steps per format per round")
     f.add_argument("--rounds", type=int, default=5, help="rounds of timing, every format once per round (medians)")
-    f.add_argument("--model", default=None)
-    f.add_argument("--json", action="store_true")
+    f.add_argument("--model", default=None, help=MODEL_HELP)
+    f.add_argument("--json", action="store_true", help="print JSON")
     f.set_defaults(func=run_kv_formats)
 
     from kvforge.bench.serve import register_serve
@@ -62,12 +65,14 @@ def register(sub) -> None:
 
 
 def _workload_options(p) -> None:
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--num-requests", type=int, default=64, help="requests in the seeded workload")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
+                   help="prompt tokens, uniform in [MIN, MAX]")
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                   help="output tokens, uniform in [MIN, MAX]")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
 def run_throughput(args) -> int:

@@ -18,11 +18,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--kv-dtype", default="fp16", help="KV storage format (default fp16)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--memory", help="device memory for 'what fits', e.g. 80GiB, 24GB, 512MiB, or bytes")
+    p.add_argument("--memory", help="device memory for 'what fits', e.g. 80GiB, 24GB, 512MiB, or bytes "
+                                    "(default: none, no 'what fits')")
     weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--weights", help="bytes the weights take, e.g. 14GB (default for a GGUF: its tensors)")
-    weights.add_argument("--weights-dtype", help=f"estimate weights from the parameter count: "
-                                                 f"{', '.join(WEIGHT_BYTES_PER_PARAM)}")
+    weights.add_argument("--weights", help="bytes the weights take, e.g. 14GB (default: a GGUF file's tensors, else "
+                                           "the parameter count at the published dtype; printed)")
+    weights.add_argument("--weights-dtype", choices=list(WEIGHT_BYTES_PER_PARAM),
+                         help="estimate weights from the parameter count at this dtype (default: see --weights)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
@@ -66,8 +68,9 @@ def format_report(r: MemoryReport) -> str:
         f = r.fits
         lines += [
             "",
-            (f"what fits in {human(f.memory_bytes)} (weights {human(f.weights_bytes)}, KV budget "
-             f"{human(f.kv_budget_bytes)} = {f.num_blocks:,} blocks):"),
+            f"what fits in {human(f.memory_bytes)}:",
+            f"  weights              {_bytes(f.weights_bytes)}  ({f.weights_source})",
+            f"  KV budget            {_bytes(f.kv_budget_bytes)}  ({f.num_blocks:,} blocks)",
             f"  max batch at {r.seq_len:,} tokens    {f.max_batch:,}",
             f"  max seq_len at batch {r.batch}     {f.max_seq_len:,} tokens",
         ]

@@ -61,12 +61,12 @@ def register_passkey(esub) -> None:
     from kvforge.cli.common import add_policy_options
 
     p = esub.add_parser("passkey", help="recall a number hidden in long filler text, by KV policy and depth")
-    p.add_argument("--model", default=None)
-    p.add_argument("--kv-dtype", default="fp32")
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2-135M)")
+    p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default="fp32", help="KV storage format")
     p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
     p.add_argument("--depths", default="0.1,0.5,0.9", help="comma-separated needle depths in [0, 1]")
     p.add_argument("--trials", type=int, default=2, help="keys per depth")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
     add_policy_options(p)
     p.set_defaults(func=run_passkey)
 
