@@ -267,3 +267,19 @@ def test_cli_errors_exit_2(capsys, argv, match):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvforge: error:") and match in err and "Traceback" not in err
+
+
+def test_default_weights_are_the_published_dtype_in_memory_and_advise():
+    """Without --weights, a preset's weights are its parameter count at the dtype it is published in (printed)."""
+    from kvforge.advise import AdviseInputs, advise
+    from kvforge.memcalc import parameter_count
+    from kvforge.presets import get_preset
+
+    r = memory_report("llama-3-8b", seq_len=8192, memory=24 * GiB)
+    assert r.fits.weights_bytes == 2 * parameter_count(get_preset("llama-3-8b"))
+    assert "bf16, the published dtype" in r.fits.weights_source
+    assert r.fits.max_batch == 9  # not the 24 that 0 B of weights would give
+    v3 = memory_report("deepseek-v3", seq_len=4096, memory=800 * GiB)
+    assert v3.fits.weights_bytes == parameter_count(get_preset("deepseek-v3"))  # published in fp8
+    a = advise(AdviseInputs("llama-3-8b", context=8192, memory=24 * GiB))
+    assert (a.memory.weights_bytes, a.memory.weights_source) == (r.fits.weights_bytes, r.fits.weights_source)

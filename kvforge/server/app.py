@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from kvforge.engine.engine import LLMEngine
 from kvforge.errors import InvalidRequestError
 from kvforge.server import serving
+from kvforge.server.echo import add_echo
 from kvforge.server.engine_loop import EngineLoop
 from kvforge.server.errors import APIError, bad_request, model_not_found, server_error, unauthorized
 from kvforge.server.protocol import (
@@ -25,6 +26,7 @@ from kvforge.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from kvforge.server.responses import Shaper, usage
 
 MAX_SUBMISSIONS = 64  # prompts x n in one request
 
@@ -125,6 +127,8 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         if req.stream:
             return StreamingResponse(serving.stream(loop, group, prepared, tokenizer), media_type="text/event-stream")
         body = await serving.collect(loop, group, prepared, request.is_disconnected)
+        if getattr(req, "echo", False):
+            body = await add_echo(loop, body, prompts, req.n, req.logprobs)
         return JSONResponse(body) if body is not None else Response(status_code=499)
 
     @app.post("/v1/completions")
@@ -132,7 +136,16 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         key = authorize(request)
         req = parse_body(await request.body(), CompletionRequest)
         check_model(req.model)
-        return await run(request, req, completion_prompts(req.prompt), "completion", key)
+        prompts = completion_prompts(req.prompt)
+        if req.echo and req.max_tokens == 0:  # scoring only: the prompt's logprobs, nothing generated
+            serving.refuse_unsupported(req)
+            if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+                raise bad_request(f"logprobs must be an integer in 0..20, got {req.logprobs}", "logprobs")
+            shaper = Shaper("completion", name, req.logprobs is not None)
+            choices = [shaper.choice(i, "", "length", []) for i in range(len(prompts) * req.n)]
+            body = shaper.response(choices, usage(sum(len(p) for p in prompts), 0, 0))
+            return JSONResponse(await add_echo(loop, body, prompts, req.n, req.logprobs))
+        return await run(request, req, prompts, "completion", key)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -34,6 +34,7 @@ class _Sampling(_Body):
     cache_salt: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
 
 
 class CompletionRequest(_Sampling):
@@ -62,6 +63,12 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    # not supported: refused with a 400 (kvforge.server.serving.refuse_unsupported), never ignored
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
 
 
 class TokenizeRequest(_Body):

@@ -34,12 +34,8 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
             kind: str, model: str) -> Prepared:
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be an integer in 1..{MAX_N}, got {req.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) != 0:
-            raise bad_request(f"{name} is not supported; send 0 or leave it out", name)
+    refuse_unsupported(req)
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported; leave it out or send false", "echo")
         max_tokens, default_max, logprobs, want_lp = req.max_tokens, 16, req.logprobs, req.logprobs is not None
     else:
         if req.top_logprobs is not None and not req.logprobs:
@@ -64,12 +60,30 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
             try:
                 params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                         max_tokens=n_tokens, seed=seed, stop=req.stop, ignore_eos=req.ignore_eos,
-                                        logprobs=logprobs)
+                                        logprobs=logprobs, presence_penalty=req.presence_penalty,
+                                        frequency_penalty=req.frequency_penalty,
+                                        repetition_penalty=req.repetition_penalty)
             except InvalidRequestError as e:
                 raise invalid(e) from None
             subs.append(Submission(ids, params, cache_salt))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return Prepared(prompts, req.n, subs, Shaper(kind, model, want_lp), subs[0].params.stop, include_usage)
+
+
+def refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
+    """Features this server does not implement get a 400 that says so, not a plain-text 200."""
+    if isinstance(req, CompletionRequest):
+        if req.echo and req.stream:
+            raise bad_request("echo is supported without streaming only; send stream: false", "echo")
+        return
+    if req.tools or req.functions or req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
+        param = "tools" if req.tools or req.tool_choice not in (None, "none") else "functions"
+        raise bad_request("tool calling is not supported by this server; send the request without tools / "
+                          "tool_choice / functions", param)
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise bad_request(f"response_format {kind!r} is not supported (no constrained decoding); only "
+                          "{'type': 'text'} is; ask for JSON in the prompt instead", "response_format")
 
 
 def invalid(e: InvalidRequestError) -> APIError:

@@ -1,0 +1,56 @@
+"""`echo` on /v1/completions: the prompt's text and, with logprobs, its per-token log-probabilities.
+
+Evaluation harnesses score likelihoods this way (echo=true, max_tokens=0, logprobs=k). The prompt is
+scored through the engine's own cache (kvforge.engine.scoring) on the engine loop thread, between steps.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvforge.engine.sampler import top_logprobs
+from kvforge.engine.scoring import position_logits
+from kvforge.server.responses import completion_logprobs
+
+
+def prompt_logprob_entries(engine, ids: list[int], k: int) -> list[dict]:
+    """One entry per prompt token; the first has no logprob (nothing predicts it)."""
+    decode = engine.tokenizer.decode
+    first = {"token_id": ids[0], "token": decode([ids[0]]), "logprob": None, "top": None}
+    if len(ids) == 1:
+        return [first]
+    logits = position_logits(engine, ids)
+    rest = [top_logprobs(logits[i], ids[i + 1], k, decode) for i in range(len(ids) - 1)]
+    return [first, *rest]
+
+
+def echo_logprobs(prompt_entries: list[dict], generated: dict | None, prompt_text: str) -> dict:
+    """The legacy logprobs object over prompt + completion, offsets counted from the prompt's start."""
+    out = completion_logprobs([{**e, "top": e["top"] or []} for e in prompt_entries], 0)
+    out["top_logprobs"][0] = None
+    if generated:
+        out["tokens"] += generated["tokens"]
+        out["token_logprobs"] += generated["token_logprobs"]
+        out["top_logprobs"] += generated["top_logprobs"]
+        out["text_offset"] += [len(prompt_text) + o for o in generated["text_offset"]]
+    return out
+
+
+async def add_echo(loop, body: dict | None, prompts: list[list[int]], n: int, logprobs: int | None) -> dict | None:
+    """Prefix each choice of a completions body with its prompt (text, and logprobs when asked)."""
+    if body is None:
+        return None
+    texts = [await loop.call(lambda e, ids=ids: e.tokenizer.decode(ids)) for ids in prompts]
+    entries = None
+    if logprobs is not None:
+        entries = [await loop.call(lambda e, ids=ids: _score(e, ids, logprobs)) for ids in prompts]
+    for choice in body["choices"]:
+        p = choice["index"] // n
+        if entries is not None:
+            choice["logprobs"] = echo_logprobs(entries[p], choice.get("logprobs"), texts[p])
+        choice["text"] = texts[p] + choice["text"]
+    return body
+
+
+def _score(engine, ids: list[int], k: int) -> list[dict]:
+    with torch.inference_mode():
+        return prompt_logprob_entries(engine, ids, k)
