@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from kvforge.bench.progress import Progress
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.sequence import SequenceStatus
@@ -65,7 +66,7 @@ def timed_steps(engine: LLMEngine, steps: int) -> float:
 
 
 def decode_speeds(loaded, specs: dict[str, tuple[str, dict]], context: int, batch: int, steps: int, rounds: int,
-                  block_size: int) -> tuple[dict[str, float], dict[str, float]]:
+                  block_size: int, progress: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """Median decode tok/s per format and median per-round slowdown vs fp32.
 
     Every round times each format once, fp32 first, so a noisy machine slows both sides of a ratio alike.
@@ -74,31 +75,36 @@ def decode_speeds(loaded, specs: dict[str, tuple[str, dict]], context: int, batc
     engines.update({label: decode_engine(loaded, name, context, batch, steps * rounds, block_size, opts)
                     for label, (name, opts) in specs.items()})
     seconds: dict[str, list[float]] = {label: [] for label in engines}
+    bar = Progress("decode timing (format x round)", rounds * len(engines), progress)
     for _ in range(rounds):
         for label, engine in engines.items():
             seconds[label].append(timed_steps(engine, steps))
+            bar.update()
+    bar.close()
     tok_s = {label: statistics.median(batch * steps / t for t in ts) for label, ts in seconds.items()}
     slowdown = {label: statistics.median(1 - f / t for f, t in zip(seconds["fp32"], ts)) for label, ts in seconds.items()}
     return tok_s, slowdown
 
 
-def perplexities(loaded, specs: dict[str, tuple[str, dict]], ids: list[int]) -> tuple[float, dict[str, float]]:
+def perplexities(loaded, specs: dict[str, tuple[str, dict]], ids: list[int],
+                 progress: bool = False) -> tuple[float, dict[str, float]]:
     """fp32-cache baseline and each format's decode-faithful perplexity on ids (as kvforge eval ppl scores)."""
     from kvforge.eval.ppl import engine_for, perplexity
 
-    base = perplexity(engine_for(loaded, len(ids)), ids)["ppl"]
-    ppl = {label: perplexity(engine_for(loaded, len(ids), kv_cache_dtype=name, kv_cache_options=opts), ids)["ppl"]
+    base = perplexity(engine_for(loaded, len(ids)), ids, progress="perplexity, fp32" if progress else None)["ppl"]
+    ppl = {label: perplexity(engine_for(loaded, len(ids), kv_cache_dtype=name, kv_cache_options=opts), ids,
+                             progress=f"perplexity, {label}" if progress else None)["ppl"]
            for label, (name, opts) in specs.items()}
     return base, ppl
 
 
 def kv_formats_bench(loaded, formats: list[str] | None = None, budget: int = 1 << 30, seq_len: int = 2048,
                      batch: int = 4, steps: int = 16, block_size: int = 16, quality_ids: list[int] | None = None,
-                     rounds: int = 5) -> dict:
+                     rounds: int = 5, progress: bool = False) -> dict:
     spec = KVCacheSpec.from_model_config(loaded.config)
     specs = {text: parse_format_spec(text) for text in (formats or list(KVFormat.registry))}
     base16 = sequences_that_fit(spec, get_format("fp16"), block_size, budget, seq_len)
-    tok_s, slowdown = decode_speeds(loaded, specs, seq_len, batch, steps, rounds, block_size)
+    tok_s, slowdown = decode_speeds(loaded, specs, seq_len, batch, steps, rounds, block_size, progress)
     rows = {}
     for label, (name, opts) in specs.items():
         fmt = get_format(name, **opts)
@@ -111,7 +117,7 @@ def kv_formats_bench(loaded, formats: list[str] | None = None, budget: int = 1 <
               "threads": torch.get_num_threads(), "fp16_sequences_fit": base16, "fp32_decode_tok_s": tok_s["fp32"],
               "formats": rows}
     if quality_ids:
-        base, ppl = perplexities(loaded, specs, quality_ids)
+        base, ppl = perplexities(loaded, specs, quality_ids, progress)
         result["quality"] = {"tokens": len(quality_ids), "ppl_baseline": base}
         for label, p in ppl.items():
             rows[label]["ppl"] = p

@@ -58,6 +58,7 @@ def register(sub) -> None:
     f.add_argument("--rounds", type=int, default=5, help="rounds of timing, every format once per round (medians)")
     f.add_argument("--model", default=None, help=MODEL_HELP)
     f.add_argument("--json", action="store_true", help="print JSON")
+    f.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     f.set_defaults(func=run_kv_formats)
 
     from kvforge.bench.serve import register_serve
@@ -146,7 +147,7 @@ def run_kv_formats(args) -> int:
     loaded = load_model(args.model)
     ids = loaded.tokenizer.encode(load_text(args.text))[: args.quality_tokens] if args.quality_tokens else None
     r = kv_formats_bench(loaded, args.formats, parse_size(args.budget), args.seq_len, args.batch, args.steps,
-                         quality_ids=ids, rounds=args.rounds)
+                         quality_ids=ids, rounds=args.rounds, progress=not args.no_progress)
     if ids:
         r["quality"]["text"] = args.text
     if args.json:

@@ -19,7 +19,9 @@ def register(sub) -> None:
     ppl.add_argument("--max-tokens", type=int, default=4096, help="tokens of text to score")
     ppl.add_argument("--chunk-size", type=int, default=None,
                      help="tokens scored per forward (default: one cache block, which equals token-by-token decode)")
-    ppl.add_argument("--agreement-prompts", type=int, default=12, help="greedy agreement prompts (0 = skip)")
+    ppl.add_argument("--agreement-prompts", type=int, default=12,
+                     help="greedy agreement prompts x 64 tokens, at most one per ~152 scored tokens (0 = skip)")
+    ppl.add_argument("--no-progress", action="store_true", help="no progress bars (default: bars when stderr is a terminal)")
     ppl.add_argument("--json", action="store_true", help="print JSON")
     ppl.add_argument("--segment", type=int, default=None, help="also report perplexity and peak KV per segment of N tokens (default: off)")
     add_policy_options(ppl)
@@ -27,15 +29,21 @@ def register(sub) -> None:
     register_passkey(esub)
 
 
+def log(text: str) -> None:
+    print(f"[eval] {text}", file=sys.stderr, flush=True)
+
+
 def run_ppl(args) -> int:
+    from kvforge.bench.progress import default_enabled
     from kvforge.eval.ppl import ppl_eval
     from kvforge.eval.texts import load_text
     from kvforge.models.loader import load_model
 
     text = load_text(args.text, args.text_file)
+    log(f"loading {args.model or 'the embedded SmolLM2-135M'}")
     loaded = load_model(args.model)
     r = ppl_eval(loaded, text, args.max_tokens, args.chunk_size, args.agreement_prompts, segment=args.segment,
-                 **format_kwargs(args), **policy_kwargs(args))
+                 progress=not args.no_progress and default_enabled(), log=log, **format_kwargs(args), **policy_kwargs(args))
     if args.json:
         json.dump(r, sys.stdout, indent=2)
         print()

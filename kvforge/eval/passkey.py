@@ -9,6 +9,7 @@ import json
 import random
 import sys
 
+from kvforge.bench.progress import Progress, default_enabled
 from kvforge.sampling_params import SamplingParams
 
 INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n"
@@ -27,15 +28,20 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
     return intro + filler[:cut] + needle + filler[cut:] + question
 
 
-def run_trials(engine, tokenizer, length: int, depths: list[float], trials: int, seed: int = 0) -> dict:
-    """Accuracy per depth for one engine (all its requests in one batch)."""
+def run_trials(engine, tokenizer, length: int, depths: list[float], trials: int, seed: int = 0,
+               progress: str | None = None) -> dict:
+    """Accuracy per depth for one engine (all its requests in one batch); progress: a label for a bar."""
     rng = random.Random(seed)
     cases = [(d, rng.randrange(10000, 99999)) for d in depths for _ in range(trials)]
     params = SamplingParams(temperature=0, max_tokens=8)
     ids = [engine.add_request(passkey_prompt(tokenizer, length, d, key), params) for d, key in cases]
     done = {}
+    bar = Progress(progress or "", len(cases), progress is not None)
     while engine.has_unfinished_requests():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        finished = {o.request_id: o.token_ids for o in engine.step() if o.finished}
+        bar.update(len(finished))
+        done.update(finished)
+    bar.close()
     hits = {d: 0 for d in depths}
     for rid, (d, key) in zip(ids, cases):
         hits[d] += str(key) in tokenizer.decode(done[rid])
@@ -43,7 +49,7 @@ def run_trials(engine, tokenizer, length: int, depths: list[float], trials: int,
 
 
 def passkey_eval(loaded, length: int = 2048, depths: tuple[float, ...] = (0.1, 0.5, 0.9), trials: int = 2,
-                 seed: int = 0, **options) -> dict:
+                 seed: int = 0, progress: bool = False, **options) -> dict:
     """Passkey accuracy under the full cache and under `options` (kv_policy, ...), in one run."""
     from kvforge.eval.ppl import engine_for
 
@@ -51,7 +57,8 @@ def passkey_eval(loaded, length: int = 2048, depths: tuple[float, ...] = (0.1, 0
     result = {"length": length, "trials": trials, "options": options}
     for label, opts in (("full", {}), ("policy", options)):
         engine = engine_for(loaded, tokens, **opts)
-        acc = run_trials(engine, loaded.tokenizer, length, list(depths), trials, seed)
+        acc = run_trials(engine, loaded.tokenizer, length, list(depths), trials, seed,
+                         f"passkey, {label}" if progress else None)
         result[label] = {"accuracy": acc, "mean": sum(acc.values()) / len(acc),
                          "peak_kv_bytes": engine.kv.peak_blocks_used * engine.kv.block_bytes}
     return result
@@ -67,6 +74,7 @@ def register_passkey(esub) -> None:
     p.add_argument("--depths", default="0.1,0.5,0.9", help="comma-separated needle depths in [0, 1]")
     p.add_argument("--trials", type=int, default=2, help="keys per depth")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (default: bars when stderr is a terminal)")
     add_policy_options(p)
     p.set_defaults(func=run_passkey)
 
@@ -83,15 +91,27 @@ def run_passkey(args) -> int:
     if not all(0 <= d <= 1 for d in depths) or args.trials < 1 or args.length < 64:
         raise ConfigError("--depths must lie in [0, 1], --trials >= 1 and --length >= 64")
     loaded = load_model(args.model)
-    r = passkey_eval(loaded, args.length, depths, args.trials, kv_cache_dtype=args.kv_dtype, **policy_kwargs(args))
+    r = passkey_eval(loaded, args.length, depths, args.trials, progress=not args.no_progress and default_enabled(),
+                     kv_cache_dtype=args.kv_dtype, **policy_kwargs(args))
     if args.json:
         json.dump(r, sys.stdout, indent=2)
         print()
         return 0
-    print(f"passkey, {args.length} tokens, {args.trials} keys per depth")
-    print(f"{'depth':>8} {'full':>6} {args.kv_policy or 'full':>12}")
-    for d in r["full"]["accuracy"]:
-        print(f"{d:>8} {r['full']['accuracy'][d]:>6.2f} {r['policy']['accuracy'][d]:>12.2f}")
-    print(f"{'mean':>8} {r['full']['mean']:>6.2f} {r['policy']['mean']:>12.2f}   peak KV "
-          f"{r['full']['peak_kv_bytes'] / 2**20:.1f} MiB vs {r['policy']['peak_kv_bytes'] / 2**20:.1f} MiB")
+    print(format_passkey(r, technique_label(args.kv_dtype, args.kv_policy, args.budget)))
     return 0
+
+
+def technique_label(kv_dtype: str, policy: str | None, budget) -> str:
+    return f"{kv_dtype} {policy or 'full'}" + (f" {budget}" if policy and budget is not None else "")
+
+
+def format_passkey(r: dict, technique: str) -> str:
+    """Baseline (fp32 full cache) beside the technique, one row per depth."""
+    width = max(12, len(technique))
+    lines = [f"passkey, {r['length']} tokens, {r['trials']} keys per depth",
+             f"{'depth':>8} {'baseline (fp32 full)':>20} {technique:>{width}}"]
+    for d in r["full"]["accuracy"]:
+        lines.append(f"{d:>8} {r['full']['accuracy'][d]:>20.2f} {r['policy']['accuracy'][d]:>{width}.2f}")
+    lines.append(f"{'mean':>8} {r['full']['mean']:>20.2f} {r['policy']['mean']:>{width}.2f}   peak KV "
+                 f"{r['full']['peak_kv_bytes'] / 2**20:.1f} MiB vs {r['policy']['peak_kv_bytes'] / 2**20:.1f} MiB")
+    return "\n".join(lines)

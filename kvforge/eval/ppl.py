@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from kvforge.bench.progress import Progress
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scoring import iter_chunk_logits
@@ -15,12 +16,16 @@ from kvforge.kv.memory import blocks_for_tokens, bytes_per_token, pool_bytes
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
 
+AGREEMENT_PROMPT_MEAN = 88  # agreement prompts are 32 + 16 * (i % 8) tokens long
 EVAL_MAX_SEQS = 1  # formats size their fp16 staging per sequence: one sequence is what a real one gets
 
 
-def perplexity(engine: LLMEngine, token_ids: list[int], chunk_size: int | None = None, segment: int | None = None) -> dict:
-    """Perplexity of token_ids[1:] given their prefixes; optionally per segment of `segment` tokens."""
+def perplexity(engine: LLMEngine, token_ids: list[int], chunk_size: int | None = None, segment: int | None = None,
+               progress: str | None = None) -> dict:
+    """Perplexity of token_ids[1:] given their prefixes; optionally per segment of `segment` tokens.
+    progress: a label to show a bar on stderr under."""
     chunk_size = chunk_size or engine.kv.block_size
+    bar = Progress(progress or "", len(token_ids), progress is not None)
     targets = torch.tensor(token_ids)
     nll = torch.zeros(len(token_ids) - 1, dtype=torch.float64)
     kv, seg_peaks, t0 = engine.kv, [], time.perf_counter()
@@ -31,11 +36,13 @@ def perplexity(engine: LLMEngine, token_ids: list[int], chunk_size: int | None =
             seg_peaks.append(kv.peak_blocks_used * kv.block_bytes)
             overall, kv.peak_blocks_used = max(overall, kv.peak_blocks_used), kv.allocator.num_used
         n = min(logits.shape[0], len(token_ids) - 1 - start)
+        bar.update(logits.shape[0])
         if n <= 0:
             break
         logp = torch.log_softmax(logits[:n], dim=-1)
         nll[start: start + n] = -logp.gather(1, targets[start + 1: start + 1 + n, None])[:, 0].double()
     overall = max(overall, kv.peak_blocks_used)
+    bar.close()
     result = {"ppl": math.exp(nll.mean().item()), "tokens": len(token_ids), "peak_kv_bytes": overall * kv.block_bytes,
               "seconds": time.perf_counter() - t0, "chunk_size": chunk_size}
     if segment:
@@ -57,27 +64,40 @@ def engine_for(loaded, num_tokens: int, block_size: int = 16, max_num_seqs: int 
                                   max_num_seqs=max_num_seqs, enable_prefix_caching=False, **options), loaded)
 
 
-def greedy_agreement(base: LLMEngine, other: LLMEngine, prompts: list[list[int]], max_tokens: int = 64) -> dict:
+def greedy_agreement(base: LLMEngine, other: LLMEngine, prompts: list[list[int]], max_tokens: int = 64,
+                     progress: bool = False) -> dict:
     """Fraction of greedy tokens that match the baseline, position by position, and exact-match prompts."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
-    def run(engine):
+    def run(engine, label):
+        bar = Progress(label, len(prompts) * max_tokens, progress)
         ids = [engine.add_request(p, params) for p in prompts]
         done = {}
         while engine.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            outs = engine.step()
+            bar.update(sum(len(o.new_token_ids) for o in outs))
+            done.update({o.request_id: o.token_ids for o in outs if o.finished})
+        bar.close()
         return [done[i] for i in ids]
 
-    a, b = run(base), run(other)
+    a, b = run(base, "greedy agreement, baseline"), run(other, "greedy agreement, technique")
     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     return {"token_agreement": same / sum(len(r) for r in a), "identical_outputs": sum(ra == rb for ra, rb in zip(a, b)),
             "prompts": len(prompts), "max_tokens": max_tokens}
 
 
+def agreement_prompt_count(requested: int, scored_tokens: int, agreement_tokens: int = 64) -> int:
+    """Agreement prompts are bounded by the request: their prompt + generated tokens stay within the scored text."""
+    per_prompt = AGREEMENT_PROMPT_MEAN + agreement_tokens
+    return max(0, min(requested, scored_tokens // per_prompt))
+
+
 def ppl_eval(loaded, text: str, max_tokens: int = 4096, chunk_size: int | None = None, agreement_prompts: int = 12,
-             agreement_tokens: int = 64, segment: int | None = None, **options) -> dict:
+             agreement_tokens: int = 64, segment: int | None = None, progress: bool = False, log=None,
+             **options) -> dict:
     """The format/policy's perplexity and the fp32 full-cache baseline, in one run on one text."""
     ids = loaded.tokenizer.encode(text)[:max_tokens]
+    agreement_prompts = agreement_prompt_count(agreement_prompts, len(ids), agreement_tokens)
     base = engine_for(loaded, len(ids))
     other = engine_for(loaded, len(ids), **options)
     ctx = loaded.config.max_position_embeddings
@@ -85,8 +105,11 @@ def ppl_eval(loaded, text: str, max_tokens: int = 4096, chunk_size: int | None =
         raise PromptTooLongError(
             f"{len(ids)} tokens exceed the model's context of {ctx}; kv_policy {other.policy.name!r} would need RoPE "
             "positions past it. Use kv_policy='streaming' (positions inside a bounded cache) or fewer tokens")
-    r0 = perplexity(base, ids[:ctx], chunk_size, segment)  # full cache: the text within the context
-    r1 = perplexity(other, ids, chunk_size, segment)
+    if log:
+        log(f"scoring {len(ids):,} tokens with the fp32 full cache, then with the technique; then "
+            f"{agreement_prompts} greedy agreement prompts x {agreement_tokens} tokens on both")
+    r0 = perplexity(base, ids[:ctx], chunk_size, segment, "perplexity, fp32 baseline" if progress else None)
+    r1 = perplexity(other, ids, chunk_size, segment, "perplexity, technique" if progress else None)
     p0, p1 = r0["ppl"], r1["ppl"]
     result = {
         "ppl_baseline": p0,
@@ -108,5 +131,5 @@ def ppl_eval(loaded, text: str, max_tokens: int = 4096, chunk_size: int | None =
     if agreement_prompts:
         step = max(1, (len(ids) - 256) // agreement_prompts)
         prompts = [ids[i * step: i * step + 32 + 16 * (i % 8)] for i in range(agreement_prompts)]
-        result["greedy"] = greedy_agreement(base, other, prompts, agreement_tokens)
+        result["greedy"] = greedy_agreement(base, other, prompts, agreement_tokens, progress)
     return result
