@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvforge generate --prompt "The three most useful things to know about the KV cache are" --max-tokens 48 --temperature 0
+	$(BIN)/kvforge generate "What is a KV cache in a language model? Answer in two sentences." --max-tokens 64 --temperature 0
 
 test: $(STAMP)
 	$(BIN)/pytest -q

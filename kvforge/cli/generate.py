@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             print(o.text)
     else:
         streamed = stream_request(llm.engine, ids, params)
-        print()
+        print(flush=True)
         if streamed.interrupted:
             print("[interrupted]", file=sys.stderr)
             return 130

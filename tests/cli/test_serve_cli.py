@@ -62,3 +62,11 @@ def test_sizes_as_strings_and_streaming_beyond_the_context():
     check_max_model_len(16384, 8192, build_policy("streaming", {"budget": 256}, None))  # positions stay bounded
     with pytest.raises(ConfigError, match="16384 is more than the model's context of 8192"):
         check_max_model_len(16384, 8192, build_policy("h2o", {"budget": 256}, None))
+
+
+def test_llm_takes_vllm_keyword_names_and_size_strings(smol_loaded):
+    from kvforge.llm import LLM
+
+    llm = LLM(kv_cache_memory="32MiB", gpu_memory_utilization=0.2, max_model_len=512)
+    assert llm.engine.config.kv_cache_memory == 32 << 20 and llm.engine.config.kv_cache_memory_fraction == 0.2
+    assert llm.engine.kv.stats()["kv_bytes_total"] <= 32 << 20
