@@ -141,6 +141,10 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             serving.refuse_unsupported(req)
             if req.logprobs is not None and not 0 <= req.logprobs <= 20:
                 raise bad_request(f"logprobs must be an integer in 0..20, got {req.logprobs}", "logprobs")
+            longest = max(len(p) for p in prompts)
+            if longest > engine.max_model_len:
+                raise APIError(400, f"prompt has {longest} tokens; this server's max_model_len is "
+                               f"{engine.max_model_len}", param="prompt", code="context_length_exceeded")
             shaper = Shaper("completion", name, req.logprobs is not None)
             choices = [shaper.choice(i, "", "length", []) for i in range(len(prompts) * req.n)]
             body = shaper.response(choices, usage(sum(len(p) for p in prompts), 0, 0))

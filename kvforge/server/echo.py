@@ -9,6 +9,8 @@ import torch
 
 from kvforge.engine.sampler import top_logprobs
 from kvforge.engine.scoring import position_logits
+from kvforge.errors import OutOfKVMemoryError
+from kvforge.server.errors import APIError
 from kvforge.server.responses import completion_logprobs
 
 
@@ -18,7 +20,9 @@ def prompt_logprob_entries(engine, ids: list[int], k: int) -> list[dict]:
     first = {"token_id": ids[0], "token": decode([ids[0]]), "logprob": None, "top": None}
     if len(ids) == 1:
         return [first]
-    logits = position_logits(engine, ids)
+    bs = engine.kv.block_size
+    chunk = max(bs, engine.config.max_num_batched_tokens // bs * bs)  # as prefill would, block-aligned
+    logits = position_logits(engine, ids, chunk)
     rest = [top_logprobs(logits[i], ids[i + 1], k, decode) for i in range(len(ids) - 1)]
     return [first, *rest]
 
@@ -42,7 +46,11 @@ async def add_echo(loop, body: dict | None, prompts: list[list[int]], n: int, lo
     texts = [await loop.call(lambda e, ids=ids: e.tokenizer.decode(ids)) for ids in prompts]
     entries = None
     if logprobs is not None:
-        entries = [await loop.call(lambda e, ids=ids: _score(e, ids, logprobs)) for ids in prompts]
+        try:
+            entries = [await loop.call(lambda e, ids=ids: _score(e, ids, logprobs)) for ids in prompts]
+        except OutOfKVMemoryError as e:
+            raise APIError(503, f"no room in the KV cache to score the prompt for echo right now ({e}); retry later",
+                           "server_error") from None
     for choice in body["choices"]:
         p = choice["index"] // n
         if entries is not None:
