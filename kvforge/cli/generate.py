@@ -80,8 +80,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("the prompt is empty")
     if args.n < 1:
         raise ConfigError(f"-n must be >= 1, got {args.n}")
-    if args.max_tokens < 1:
-        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     params = sampling_params(args, args.max_tokens, args.n)
     llm = LLM(**engine_kwargs(args))
     ids = prompt_ids(llm, text, args)

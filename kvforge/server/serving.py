@@ -17,7 +17,8 @@ from kvforge.server.responses import ChoiceText, Shaper, usage
 
 MAX_N = 16
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
-_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "presence_penalty",
+           "frequency_penalty", "repetition_penalty")
 
 
 @dataclass

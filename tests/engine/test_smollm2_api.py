@@ -45,7 +45,7 @@ def test_chat_uses_template_and_stops_at_im_end(llm):
 
 def test_cli_generate_json():
     proc = subprocess.run([sys.executable, "-m", "kvforge.cli", "generate", "--prompt", "The capital of France is",
-                           "--max-tokens", "6", "--kv-memory", "64MiB", "--json"], capture_output=True, text=True, timeout=300, check=False)
+                           "--raw", "--temperature", "0", "--max-tokens", "6", "--kv-memory", "64MiB", "--json"], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert "Paris" in data["text"] and len(data["token_ids"]) <= 6
