@@ -40,9 +40,7 @@ def register(sub) -> None:
     x.add_argument("--conversations", type=int, default=20, help="multi-turn conversations")
     x.add_argument("--turns", type=int, default=5, help="turns per conversation")
     x.add_argument("--seed", type=int, default=0, help="workload seed")
-    x.add_argument("--model", default=None, help=MODEL_HELP)
-    x.add_argument("--json", action="store_true", help="print JSON")
-    x.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    _output_options(x, model=True)
     x.set_defaults(func=run_prefix)
 
     f = bsub.add_parser("kv-formats", help="bytes/token, 2k-token sequences per budget, decode speed for each format")
@@ -56,9 +54,7 @@ def register(sub) -> None:
     f.add_argument("--batch", type=int, default=4, help="sequences decoded together")
     f.add_argument("--steps", type=int, default=16, help="decode steps per format per round")
     f.add_argument("--rounds", type=int, default=5, help="rounds of timing, every format once per round (medians)")
-    f.add_argument("--model", default=None, help=MODEL_HELP)
-    f.add_argument("--json", action="store_true", help="print JSON")
-    f.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    _output_options(f, model=True)
     f.set_defaults(func=run_kv_formats)
 
     from kvforge.bench.serve import register_serve
@@ -72,8 +68,14 @@ def _workload_options(p) -> None:
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
                    help="output tokens, uniform in [MIN, MAX]")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+    _output_options(p)
+
+
+def _output_options(p, model: bool = False) -> None:
+    if model:
+        p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 def run_throughput(args) -> int:
