@@ -35,12 +35,15 @@ class _Sampling(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # refused unless empty
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # refused (no fill-in-the-middle)
+    best_of: int | None = None  # refused unless equal to n
 
 
 class ContentPart(_Body):

@@ -73,9 +73,15 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
 
 def refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
     """Features this server does not implement get a 400 that says so, not a plain-text 200."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported; send the request without it", "logit_bias")
     if isinstance(req, CompletionRequest):
         if req.echo and req.stream:
             raise bad_request("echo is supported without streaming only; send stream: false", "echo")
+        if req.suffix:
+            raise bad_request("suffix (fill-in-the-middle) is not supported; send the request without it", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request(f"best_of is not supported (best_of={req.best_of}, n={req.n}); use n", "best_of")
         return
     if req.tools or req.functions or req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
         param = "tools" if req.tools or req.tool_choice not in (None, "none") else "functions"

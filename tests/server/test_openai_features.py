@@ -59,3 +59,10 @@ def test_unsupported_chat_features_are_refused_not_ignored(client, model_name, e
     ok = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                         response_format={"type": "text"})
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("extra", [{"suffix": " and that is all."}, {"best_of": 3}, {"logit_bias": {"42": 5}}])
+def test_unsupported_completion_features_are_refused_not_ignored(client, model_name, extra):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, **extra)
+    assert "not supported" in e.value.message
