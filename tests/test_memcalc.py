@@ -283,3 +283,19 @@ def test_default_weights_are_the_published_dtype_in_memory_and_advise():
     assert v3.fits.weights_bytes == parameter_count(get_preset("deepseek-v3"))  # published in fp8
     a = advise(AdviseInputs("llama-3-8b", context=8192, memory=24 * GiB))
     assert (a.memory.weights_bytes, a.memory.weights_source) == (r.fits.weights_bytes, r.fits.weights_source)
+
+
+def test_hf_config_weights_default_to_its_torch_dtype(tmp_path):
+    from kvforge.memcalc import parameter_count
+
+    hf = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
+          "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4,
+          "max_position_embeddings": 2048, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    r = memory_report(str(tmp_path), memory=GiB)
+    assert r.fits.weights_bytes == 4 * parameter_count(resolve_model(str(tmp_path)).config)
+    assert "at fp32, the published dtype" in r.fits.weights_source
+    del hf["torch_dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    r = memory_report(str(tmp_path), memory=GiB)
+    assert "at fp16, assumed" in r.fits.weights_source
