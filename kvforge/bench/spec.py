@@ -8,6 +8,7 @@ already has its first token; prefill is identical work), `e2e_speedup` that of w
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kvforge.bench.progress import Progress
 from kvforge.config import EngineConfig
@@ -86,15 +87,18 @@ def _run(loaded, spec: dict | None, prompts: list[list[int]], batch: int, max_to
 
 
 def spec_bench(loaded, methods: list[str] | None = None, batches: tuple[int, ...] = (1, 8), prompts_b1: int = 3,
-               max_tokens: int = 96, passage_tokens: int = 400, show: bool = True) -> dict:
+               max_tokens: int = 96, passage_tokens: int = 400, show: bool = True,
+               workloads: dict[str, Callable[[int], list[list[int]]]] | None = None) -> dict:
+    """workloads: name -> prompts for a count (default: 'grounded' and 'chat' on the model's tokenizer)."""
     tok = loaded.tokenizer
+    workloads = workloads or {"grounded": lambda n: grounded_prompts(tok, n, passage_tokens),
+                              "chat": lambda n: chat_prompts(tok, n)}
     result: dict = {"max_tokens": max_tokens, "passage_tokens": passage_tokens, "off": {}}
     for name in methods or list(METHODS):
         result[name] = {}
-    for workload in ("grounded", "chat"):
+    for workload, make_prompts in workloads.items():
         for batch in batches:
-            count = prompts_b1 if batch == 1 else batch
-            prompts = grounded_prompts(tok, count, passage_tokens) if workload == "grounded" else chat_prompts(tok, count)
+            prompts = make_prompts(prompts_b1 if batch == 1 else batch)
             key = f"b{batch}"
             off = _run(loaded, None, prompts, batch, max_tokens, f"{workload} {key} off", show)
             result["off"].setdefault(workload, {})[key] = {k: v for k, v in off.items() if k != "outputs"}
