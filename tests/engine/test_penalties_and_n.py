@@ -71,3 +71,16 @@ def test_unseeded_engines_differ_and_an_engine_seed_reproduces(tiny_loaded):
 
     assert sample(None) != sample(None)
     assert sample(5) == sample(5)
+
+
+def test_penalties_under_speculative_decoding_equal_plain_decoding(tiny_loaded):
+    """Penalised requests decode one token at a time even when the engine speculates, so outputs match."""
+    # mild, so the output still repeats and n-gram lookup would draft (stronger penalties leave nothing to draft)
+    params = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.1, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]  # n-gram lookup would draft here
+
+    def run(**options):
+        engine = LLMEngine(EngineConfig(kv_cache_memory=8 << 20, max_model_len=128, **options), tiny_loaded)
+        return LLM.from_engine(engine).generate([prompt], params)[0].token_ids
+
+    assert run(speculative={"method": "ngram", "num_speculative_tokens": 3}) == run()
