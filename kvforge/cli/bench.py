@@ -63,9 +63,7 @@ def register(sub) -> None:
     sp.add_argument("--prompts", type=int, default=3, help="prompts run one at a time at batch 1 (default: 3)")
     sp.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt (default: 96)")
     sp.add_argument("--passage-tokens", type=int, default=400, help="passage length of grounded prompts (default: 400)")
-    sp.add_argument("--model", default=None)
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--no-progress", action="store_true")
+    _output_options(sp, model=True)
     sp.set_defaults(func=run_spec)
 
     from kvforge.bench.serve import register_serve
