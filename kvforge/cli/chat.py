@@ -63,7 +63,8 @@ class Conversation:
             except OSError as e:
                 return f"[cannot write {rest}: {e.strerror}]"
             return f"[saved {len(self.messages)} messages to {rest}]"
-        return "\n".join(f"  {c:<14} {h}" for c, h in COMMANDS.items())
+        head = "" if name == "/help" else f"[unknown command {name}]\n"
+        return head + "\n".join(f"  {c:<14} {h}" for c, h in COMMANDS.items())
 
 
 def read_line(interactive: bool) -> str | None:

@@ -60,8 +60,10 @@ def test_chat_exit_command_and_piped_input(tmp_path):
     import subprocess
 
     env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(CHAT + ["--max-tokens", "8"], input="\nWhat is 2+2?\n/exit\nnot read\n", text=True,
+    r = subprocess.run(CHAT + ["--max-tokens", "8"], input="\nWhat is 2+2?\n/frobnicate\n/exit\nnot read\n", text=True,
                        capture_output=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip()  # one answer, and "not read" never was
-    assert r.stdout.count("\n") == 1
+    answer, _, commands = r.stdout.partition("[unknown command /frobnicate]\n")
+    assert answer.strip()  # the answer, then the unknown command's help, and "not read" was never sent
+    help_lines = commands.splitlines()
+    assert len(help_lines) == 5 and help_lines[0].split()[0] == "/help"
