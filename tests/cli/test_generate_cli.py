@@ -72,18 +72,21 @@ def test_system_stop_and_n_samples(capsys, offline, smol_loaded):
     assert body["stats"]["generated_tokens"] == sum(len(s["token_ids"]) for s in body["samples"])
 
 
-def test_unseeded_runs_differ_and_seeded_runs_repeat(offline):
-    """Real processes: the default (unseeded) sampling is fresh each run; --seed reproduces across processes."""
+def test_unseeded_runs_differ():
+    """Two real processes: the default (unseeded) sampling is fresh in each run."""
     argv = [sys.executable, "-m", "kvforge.cli", "generate", "--raw", "Once upon a time", "--max-tokens", "16",
             "--temperature", "1.0", "--no-stream", *ENGINE]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = [subprocess.Popen(argv + extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for extra in ([], [], ["--seed", "3"])]
+            for extra in ([], [])]
     outs = []
     for p in runs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
         outs.append(out)
     assert outs[0] != outs[1]
-    seeded = offline.generate("Once upon a time", SamplingParams(temperature=1.0, max_tokens=16, seed=3))[0].text
-    assert outs[2] == seeded + "\n"
+
+
+def test_seeded_cli_run_repeats_the_python_api(capsys, offline, smol_loaded):
+    out = run_cli(capsys, "Once upon a time", "--raw", "--seed", "3", "--max-tokens", "16", "--no-stream")[1]
+    assert out == offline.generate("Once upon a time", SamplingParams(max_tokens=16, seed=3))[0].text + "\n"
