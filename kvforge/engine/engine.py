@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -21,6 +22,8 @@ from kvforge.kv.spec import KVCacheSpec
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
+
+log = logging.getLogger("kvforge.engine")
 
 
 class LLMEngine:
@@ -104,15 +107,20 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
             text = prompt
         elif isinstance(prompt, (list, tuple)):
-            ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"token ids must be integers in [0, {vocab})")
+            ids, text = self.check_token_ids(prompt), None
         else:
             raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidRequestError("prompt is empty; give at least one character or token id")
         return text, ids
+
+    def check_token_ids(self, ids, name: str = "prompt") -> list[int]:
+        """ids as a list; InvalidRequestError (naming `name`) unless every one is a token id of this model."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(f"{name}: token ids must be integers in [0, {vocab}), got {bad[0]!r}")
+        return list(ids)
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
@@ -136,7 +144,10 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        sampled = self.runner.execute(batch)
+        try:
+            sampled = self.runner.execute(batch)
+        except Exception as e:  # noqa: BLE001 - the batch's requests fail, the engine keeps serving
+            return self._fail(batch.seqs, e)
         bs = self.kv.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.num_computed_tokens // bs > (seq.num_computed_tokens - n) // bs:
@@ -146,18 +157,37 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.request_id not in sampled:
                 continue
-            seq.token_ids.append(sampled[seq.request_id])
-            self.generated_tokens += 1
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            seq.metrics.generated_tokens = seq.num_output_tokens
-            reason = check_stop(seq, self.tokenizer, self.length_limit, self.model_config.eos_token_ids)
-            if reason:
-                seq.finish_reason = reason
-                seq.metrics.finished_time = now
+            try:
+                seq.token_ids.append(sampled[seq.request_id])
+                self.generated_tokens += 1
+                if seq.metrics.first_token_time is None:
+                    seq.metrics.first_token_time = now
+                seq.metrics.generated_tokens = seq.num_output_tokens
+                reason = check_stop(seq, self.tokenizer, self.length_limit, self.model_config.eos_token_ids)
+                if reason:
+                    seq.finish_reason = reason
+                    seq.metrics.finished_time = now
+                    self.scheduler.finish(seq)
+                    self.requests.pop(seq.request_id, None)
+                outputs.append(self._output(seq))
+            except Exception as e:  # noqa: BLE001 - e.g. the tokenizer failed on this request only
+                outputs += self._fail([seq], e)
+        return outputs
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
+        """Finish seqs with finish_reason 'error' after their step raised. Their blocks are freed without entering
+        the prefix cache (the failed step may have half-written them); blocks cached by earlier steps stay."""
+        log.error("step failed for %d request(s): %s: %s", len(seqs), type(error).__name__, error, exc_info=error)
+        now = time.monotonic()
+        outputs = []
+        for seq in seqs:
+            if not seq.is_finished:
+                self.kv.free(seq, cache=False)
                 self.scheduler.finish(seq)
-                self.requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
+            self.requests.pop(seq.request_id, None)
+            seq.finish_reason, seq.metrics.finished_time = "error", now
+            outputs.append(RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, "", list(seq.output_token_ids),
+                                         True, "error", seq.metrics, [], error=f"{type(error).__name__}: {error}"))
         return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -102,9 +102,10 @@ class KVCacheManager:
             self.prefix_tree.unlock(seq.prefix_node)
         seq.prefix_node = node
 
-    def free(self, seq: Sequence) -> None:
-        """Release seq's blocks (its computed full blocks stay in the prefix cache)."""
-        if self.prefix_tree is not None and seq.block_table:
+    def free(self, seq: Sequence, cache: bool = True) -> None:
+        """Release seq's blocks; with cache, its computed full blocks stay in the prefix cache
+        (cache=False after a failed step: blocks it may have half-written are never shared)."""
+        if cache and self.prefix_tree is not None and seq.block_table:
             self.cache_computed_blocks(seq)
         if seq.prefix_node is not None:
             self.prefix_tree.unlock(seq.prefix_node)

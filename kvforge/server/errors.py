@@ -38,3 +38,8 @@ def queue_full(max_waiting: int) -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, "server_error", code="internal_error")
+
+
+def engine_unavailable(reason: str) -> APIError:
+    return APIError(503, f"{reason}; the server cannot run requests (restart it)", "server_error",
+                    code="engine_unavailable")
