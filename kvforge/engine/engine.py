@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import traceback
 
 import torch
 
@@ -177,7 +178,8 @@ class LLMEngine:
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
         """Finish seqs with finish_reason 'error' after their step raised. Their blocks are freed without entering
         the prefix cache (the failed step may have half-written them); blocks cached by earlier steps stay."""
-        log.error("step failed for %d request(s): %s: %s", len(seqs), type(error).__name__, error, exc_info=error)
+        # the traceback as text: a handler that keeps records (tests, memory handlers) must not pin the step's frames
+        log.error("step failed for %d request(s): %s", len(seqs), "".join(traceback.format_exception(error)).rstrip())
         now = time.monotonic()
         outputs = []
         for seq in seqs:

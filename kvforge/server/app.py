@@ -18,10 +18,10 @@ from kvforge.server import serving
 from kvforge.server.engine_loop import EngineLoop
 from kvforge.server.errors import (
     APIError,
+    InternalErrors,
     bad_request,
     engine_unavailable,
     model_not_found,
-    server_error,
     unauthorized,
 )
 from kvforge.server.limits import RequestLimits
@@ -81,6 +81,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         loop.stop()
 
     app = FastAPI(title="kvforge", lifespan=lifespan)
+    app.add_middleware(InternalErrors)
     app.state.engine_loop = loop
 
     @app.exception_handler(APIError)
@@ -91,10 +92,6 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind).response()
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, e: Exception) -> JSONResponse:
-        return server_error(f"internal error: {type(e).__name__}: {e}").response()
 
     def authorize(request: Request) -> str | None:
         """Checks the API key; returns the tenant's cache salt (None when keys are off or shared)."""
@@ -131,12 +128,14 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             raise bad_request(str(e), "messages") from None
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def completion_prompts(prompt) -> list[list[int]]:
+    def completion_prompts(req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
         items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        limits.check(req, len(items))  # before the work of tokenizing
         return [text_ids(p, "prompt") if isinstance(p, str) else p for p in items]  # the engine checks token ids
 
     async def run(request: Request, req, prompts: list[list[int]], kind: str, key: str | None) -> Response:
-        prepared = serving.prepare(req, prompts, engine, salt(key, req.cache_salt), kind, name, limits)
+        prepared = serving.prepare(req, prompts, engine, salt(key, req.cache_salt), kind, name, limits.max_tokens)
         group = await serving.submit(loop, prepared)
         if req.stream:
             return StreamingResponse(serving.stream(loop, group, prepared, tokenizer), media_type="text/event-stream")
@@ -148,13 +147,14 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         key = authorize(request)
         req = parse_body(await limits.read_body(request), CompletionRequest)
         check_model(req.model)
-        return await run(request, req, completion_prompts(req.prompt), "completion", key)
+        return await run(request, req, completion_prompts(req), "completion", key)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         key = authorize(request)
         req = parse_body(await limits.read_body(request), ChatRequest)
         check_model(req.model)
+        limits.check(req, 1)
         return await run(request, req, [chat_ids(req.messages)], "chat", key)
 
     @app.get("/v1/models")

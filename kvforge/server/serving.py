@@ -12,7 +12,6 @@ from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 from kvforge.server.engine_loop import EngineLoop, RequestGroup, Submission
 from kvforge.server.errors import APIError, bad_request, server_error
-from kvforge.server.limits import RequestLimits
 from kvforge.server.protocol import ChatRequest, CompletionRequest
 from kvforge.server.responses import ChoiceText, Shaper, usage
 
@@ -31,8 +30,7 @@ class Prepared:
 
 
 def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engine, cache_salt: str | None,
-            kind: str, model: str, limits: RequestLimits) -> Prepared:
-    limits.check(req, len(prompts))
+            kind: str, model: str, max_tokens_limit: int) -> Prepared:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) != 0:
             raise bad_request(f"{name} is not supported; send 0 or leave it out", name)
@@ -53,14 +51,14 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
         if room < 1:
             raise APIError(400, f"prompt has {len(ids)} tokens; this server's max_model_len is {limit}, so a prompt "
                            f"must have at most {limit - 1} tokens", param="prompt", code="context_length_exceeded")
-        if max_tokens is not None and max_tokens > min(room, limits.max_tokens):
+        if max_tokens is not None and max_tokens > min(room, max_tokens_limit):
             if max_tokens <= room:
                 raise bad_request(f"max_tokens={max_tokens} is more than this server allows; send 1.."
-                                  f"{limits.max_tokens}", "max_tokens")
+                                  f"{max_tokens_limit}", "max_tokens")
             raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
                            f"max_model_len is {limit}, so max_tokens may be at most {room}", param="max_tokens",
                            code="context_length_exceeded")
-        n_tokens = max_tokens if max_tokens is not None else min(default_max or room, room, limits.max_tokens)
+        n_tokens = max_tokens if max_tokens is not None else min(default_max or room, room, max_tokens_limit)
         for j in range(req.n):
             seed = None if req.seed is None else req.seed + j
             try:
