@@ -17,7 +17,7 @@ class RequestLimits:
     max_logprobs: int = MAX_LOGPROBS  # completions' logprobs, chat's top_logprobs
     max_stop: int = 16  # stop strings
     max_stop_chars: int = 256  # characters of one stop string (each is searched for after every token)
-    max_tokens: int = 32768  # tokens one choice may generate (the context may bound it lower; checked in prepare)
+    max_tokens: int = 32768  # tokens one choice may generate (the context may bind first); the default too
 
     def check(self, req, num_prompts: int) -> None:
         """Raises a 400 APIError for the first bound req passes (req: a CompletionRequest or ChatRequest)."""
@@ -35,6 +35,11 @@ class RequestLimits:
         longest = max((len(s) for s in stop), default=0)
         if longest > self.max_stop_chars:
             raise bad_request(f"a stop string has {longest} characters; each may have 1..{self.max_stop_chars}", "stop")
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(req, name, None)
+            if value is not None and value > self.max_tokens:
+                raise bad_request(f"{name}={value} is more than this server allows: at most {self.max_tokens} "
+                                  f"(send 1..{self.max_tokens})", name)
 
     async def read_body(self, request: Request) -> bytes:
         """The request body; a 400 once it passes max_body_bytes (checked while reading, not only the header)."""

@@ -51,10 +51,7 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
         if room < 1:
             raise APIError(400, f"prompt has {len(ids)} tokens; this server's max_model_len is {limit}, so a prompt "
                            f"must have at most {limit - 1} tokens", param="prompt", code="context_length_exceeded")
-        if max_tokens is not None and max_tokens > min(room, max_tokens_limit):
-            if max_tokens <= room:
-                raise bad_request(f"max_tokens={max_tokens} is more than this server allows; send 1.."
-                                  f"{max_tokens_limit}", "max_tokens")
+        if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
                            f"max_model_len is {limit}, so max_tokens may be at most {room}", param="max_tokens",
                            code="context_length_exceeded")
