@@ -72,22 +72,9 @@ class FaultInjector:
             self._batch = [tuple(s.prompt_token_ids) for s in batch.seqs]
             return execute(batch)
 
-        def forward(*args, **kwargs):
-            self.check("forward")
-            return layer_forward(*args, **kwargs)
-
-        def sample_(*args, **kwargs):
-            self.check("sample")
-            return sample(*args, **kwargs)
-
-        def decode_(*args, **kwargs):
-            self.check("decode")
-            return decode(*args, **kwargs)
-
-        def encode_(*args, **kwargs):
-            self.check("encode")
-            return encode(*args, **kwargs)
-
+        forward, sample_, decode_, encode_ = (self._raising(site, fn) for site, fn in
+                                              (("forward", layer_forward), ("sample", sample), ("decode", decode),
+                                               ("encode", encode)))
         engine.runner.execute, runner_module.sample, layer.forward = execute_noting_batch, sample_, forward
         tokenizer.decode, tokenizer.encode = decode_, encode_
         try:
@@ -95,3 +82,10 @@ class FaultInjector:
         finally:
             engine.runner.execute, runner_module.sample, layer.forward = execute, sample, layer_forward
             tokenizer.decode, tokenizer.encode = decode, encode
+
+    def _raising(self, site: str, fn):
+        def wrapper(*args, **kwargs):
+            self.check(site)
+            return fn(*args, **kwargs)
+
+        return wrapper
