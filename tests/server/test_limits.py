@@ -73,3 +73,15 @@ def test_api_keys_compare_every_key_on_equal_length_digests(monkeypatch):
         calls.clear()
         assert keys.matches(candidate) is ok
         assert calls == [(32, 32)] * 3, candidate  # no early exit on a match, nothing that depends on the length
+
+
+def test_prompt_room_is_the_engines_own_length_limit(char_engine):
+    """Under StreamingLLM the engine runs past max_model_len (bounded cache); the server must not refuse it."""
+    engine = char_engine(kv_policy="streaming", kv_policy_options={"budget": 64, "sinks": 4}, max_model_len=128)
+    assert engine.length_limit > engine.max_model_len
+    with ServerThread(engine) as s:
+        body = {"prompt": "abcdefgh" * 40, "max_tokens": 200, "ignore_eos": True}  # 320 + 200 tokens > 128
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] == {"prompt_tokens": 320, "completion_tokens": 200, "total_tokens": 520,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
