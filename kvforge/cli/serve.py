@@ -55,5 +55,8 @@ def serve_app(app, sockets=None, **uvicorn_options) -> int:
         server.should_exit = True
 
     loop.on_death = exit_on_death
-    server.run(sockets=sockets)
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+        pass
     return 1 if loop.error is not None else 0

@@ -201,7 +201,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        stats = await loop.call(lambda e: e.stats())
+        stats = {**await loop.call(lambda e: e.stats()), "outputs_held": loop.held_outputs()[0]}
         return PlainTextResponse(loop.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.post("/reset_prefix_cache")
