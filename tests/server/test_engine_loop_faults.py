@@ -74,6 +74,40 @@ def test_a_dying_loop_fails_every_waiter_and_every_later_call(char_engine, broke
     assert loop.stop()
 
 
+def test_a_failed_step_fails_its_requests_with_a_500_and_the_loop_serves_on(char_engine, monkeypatch):
+    import kvforge.engine.runner as runner_module
+
+    engine = char_engine(max_num_seqs=1)  # A runs alone; B waits, so it is not in A's failing step
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = char_engine()
+    want.add_request([8, 9, 10], params, "b")
+    reference = []
+    while want.has_unfinished_requests():
+        reference += [o.token_ids for o in want.step() if o.finished]
+    loop = started(engine)
+    sample = runner_module.sample
+    calls = []
+
+    def fails_third_call(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Boom("sampler broke")
+        return sample(*args)
+
+    monkeypatch.setattr(runner_module, "sample", fails_third_call)
+
+    async def scenario():
+        a = await loop.submit([Submission([5, 6, 7], params)])
+        b = await loop.submit([Submission([8, 9, 10], params)])
+        failed, done = await last_item(a), await last_item(b)
+        assert isinstance(failed, APIError) and failed.status == 500 and "Boom: sampler broke" in failed.message
+        assert done.finish_reason == "length" and [done.token_ids] == reference
+
+    asyncio.run(scenario())
+    assert loop.alive and engine.requests == {}
+    loop.stop()
+
+
 def test_stop_fails_queued_commands_and_keeps_a_thread_that_did_not_join(char_engine):
     engine = char_engine()
     loop = started(engine)
