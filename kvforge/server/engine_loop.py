@@ -5,7 +5,7 @@ No request waits forever:
 - whatever else escapes the loop (a command handler, the error path of a step that raised) kills the loop
   loudly: every waiter gets a 503, `alive` turns False (/health), `on_death` runs (the CLI exits non-zero),
   and every later call fails at once;
-- `stop()` fails the commands still queued and keeps a thread that did not join.
+- `stop()` fails the queued commands; a thread that does not join is kept, and its open requests fail at once.
 """
 from __future__ import annotations
 
@@ -89,9 +89,14 @@ class EngineLoop:
         self._commands.put(("wake",))
         thread.join(timeout=timeout)
         self._close()
-        self._fail_queued(engine_unavailable("the server is shutting down"))
+        failure = engine_unavailable("the server is shutting down")
+        self._fail_queued(failure)
         if thread.is_alive():
             log.error("the engine loop thread did not stop within %.0f s; it still holds the engine", timeout)
+            with self._lock:
+                waiting = list(self._mailboxes)
+            for mailbox in waiting:  # their handlers must not wait for a thread that may never come back
+                mailbox.fail(failure)
             return False
         self._thread = None
         return True

@@ -36,6 +36,10 @@ class Mailbox:
         except RuntimeError:  # the handler's event loop is closed: nobody is listening
             pass
 
+    def fail(self, error: Exception) -> None:
+        """End the whole HTTP request with error (from any thread), whatever its engine requests are doing."""
+        self.put(-1, error)
+
     async def get(self) -> list[tuple[int, Item]]:
         """Every waiting item, by request index; waits until there is one. Called on the handler's event loop."""
         while True:

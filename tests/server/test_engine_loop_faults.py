@@ -130,10 +130,10 @@ def test_stop_fails_queued_commands_and_keeps_a_thread_that_did_not_join(char_en
         with pytest.raises(APIError) as e:
             await asyncio.wait_for(queued, DEADLINE)
         assert e.value.status == 503 and "shutting down" in e.value.message
+        item = await last_item(running)  # told at once, while the thread is still stuck
+        assert isinstance(item, APIError) and item.status == 503
         release.set()
         assert await asyncio.to_thread(loop.stop, DEADLINE) is True  # the same thread, now joined
-        item = await last_item(running)
-        assert isinstance(item, APIError) and item.status == 503
 
     asyncio.run(scenario())
     assert engine.requests == {}  # the loop aborted what it held on its way out
