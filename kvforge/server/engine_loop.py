@@ -81,7 +81,7 @@ class EngineLoop:
             self._thread.start()
 
     def stop(self, timeout: float = 30) -> bool:
-        """Stop the loop; False when its thread did not end within timeout (it is kept, so `alive` stays true)."""
+        """Stop the loop; False when its thread did not end within timeout (it is kept: no second loop can start)."""
         thread = self._thread
         if thread is None:
             return True
@@ -115,6 +115,8 @@ class EngineLoop:
         base = f"req-{next(self._ids)}"
         ids = [f"{base}-{i}" for i in range(len(subs))]
         mailbox = Mailbox(asyncio.get_running_loop())
+        with self._lock:
+            self._mailboxes.add(mailbox)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
             self._send(("add", ids, subs, mailbox, fut))
@@ -127,8 +129,6 @@ class EngineLoop:
         except asyncio.CancelledError:  # the client left while its requests were being added
             self.abort(ids)
             raise
-        with self._lock:
-            self._mailboxes.add(mailbox)
         return RequestGroup(ids, mailbox)
 
     def abort(self, ids: list[str]) -> None:
@@ -212,6 +212,9 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if command[0] == "add":
+                with self._lock:
+                    self._pending_adds -= len(command[2])
             fut = command[-1] if command[0] in ("add", "call") else None
             if fut is not None and not fut.done():
                 fut.set_exception(failure)
