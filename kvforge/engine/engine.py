@@ -167,6 +167,7 @@ class LLMEngine:
                 rejected[seq.request_id] = self._append(seq, result, now)
             except Exception as e:  # noqa: BLE001 - e.g. the tokenizer failed on this request only
                 failed[seq.request_id] = e
+                rejected[seq.request_id] = len(seq.draft_token_ids)  # commit none of its drafts
         self.commit(batch, result.stats, rejected)
         outputs = []
         for seq in emitting:

@@ -12,6 +12,7 @@ from kvforge.sampling_params import SamplingParams
 A = list(range(3, 21))  # 18 tokens: 4 full blocks of 4 and 2 more
 B = list(range(40, 50))
 C = list(range(60, 75))
+R = [5, 6, 7, 8] * 4 + [5]  # repeats itself: n-gram speculation drafts from it
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -34,7 +35,7 @@ def finish(engine: LLMEngine) -> dict:
 @pytest.fixture(scope="module")
 def reference(tiny_dir) -> dict:
     engine = make_engine(tiny_dir)
-    for rid, prompt in (("a", A), ("b", B), ("c", C)):
+    for rid, prompt in (("a", A), ("b", B), ("c", C), ("r", R)):
         engine.add_request(prompt, GREEDY, rid)
     return {rid: o.token_ids for rid, o in finish(engine).items()}
 
@@ -91,14 +92,17 @@ def test_forward_fault_mid_decode_keeps_blocks_of_earlier_steps(tiny_dir, refere
     assert_no_leak(engine)
 
 
-def test_postprocessing_fault_fails_that_request_only(tiny_dir, reference, monkeypatch):
-    engine = make_engine(tiny_dir)
-    engine.add_request(A, GREEDY, "a")
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_postprocessing_fault_fails_that_request_only(tiny_dir, reference, monkeypatch, speculative):
+    engine = make_engine(tiny_dir, speculative=speculative)
     engine.add_request(B, GREEDY, "b")
+    engine.add_request(R, GREEDY, "r")
     check_stop = engine_module.check_stop
+    drafts = []
 
     def flaky(seq, *args):
-        if seq.request_id == "a" and seq.num_output_tokens == 2:
+        if seq.request_id == "b" and seq.num_output_tokens == 5:
+            drafts.append(len(seq.draft_token_ids))
             raise Boom("detokenizer broke")
         return check_stop(seq, *args)
 
@@ -106,7 +110,12 @@ def test_postprocessing_fault_fails_that_request_only(tiny_dir, reference, monke
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
+    assert drafts == ([0] if speculative is None else [1])  # with speculation, the failing step verified a draft
     failed = [o for o in outs if o.finish_reason == "error"]
-    assert [(o.request_id, o.token_ids, o.error) for o in failed] == [("a", reference["a"][:2], "Boom: detokenizer broke")]
-    assert [o.token_ids for o in outs if o.request_id == "b" and o.finished] == [reference["b"]]
+    assert [(o.request_id, o.token_ids[:5], o.error) for o in failed] == [("b", reference["b"][:5], "Boom: detokenizer broke")]
+    assert [o.token_ids for o in outs if o.request_id == "r" and o.finished] == [reference["r"]]
+    monkeypatch.setattr(engine_module, "check_stop", check_stop)
+    engine.add_request(B, GREEDY, "b-again")  # what the failed step left in the prefix cache is right
+    again = finish(engine)["b-again"]
+    assert again.token_ids == reference["b"] and again.metrics.cached_tokens == 8  # B's 2 full prompt blocks
     assert_no_leak(engine)
