@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from reuse_model import reuse_loaded_smollm2  # noqa: F401  (autouse fixture)
 from kvforge.cli import main
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine

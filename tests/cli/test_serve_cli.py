@@ -6,6 +6,7 @@ import socket
 import pytest
 
 import kvforge.engine.engine as engine_module
+from reuse_model import reuse_loaded_smollm2  # noqa: F401  (autouse fixture)
 from kvforge.cli import main
 from kvforge.cli.serve import startup_lines
 from kvforge.config import EngineConfig

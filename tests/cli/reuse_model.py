@@ -1,3 +1,5 @@
+"""In-process CLI runs build their engine over the session's SmolLM2 (tests import this fixture; no conftest.py
+here, so `from conftest import ...` in other test folders finds their own)."""
 import pytest
 
 
