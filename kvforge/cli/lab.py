@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -18,7 +19,7 @@ def register(sub) -> None:
                        description=__doc__)
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
     p.add_argument("--text", default="hamlet", help="a named text (hamlet, macbeth, hamlet+macbeth, gpl-3) or a file")
-    p.add_argument("--tokens", type=int, default=None, help="tokens of text scored for perplexity (quick 1024, full 4096)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens of text scored for perplexity (quick 512, full 4096)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="a few minutes (default)")
     mode.add_argument("--full", dest="mode", action="store_const", const="full", help="the whole matrix")
@@ -32,12 +33,20 @@ def register(sub) -> None:
     p.set_defaults(func=run, mode="quick")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # a `kill` stops the lab like Ctrl-C: the report of what finished is still written
+
+
 def run(args) -> int:
     from kvforge.lab import LabOptions, run_lab
 
     options = LabOptions(args.model, args.text, args.out, args.mode, args.tokens, args.formats, args.policies,
                          args.budgets, args.priority, not args.no_progress)
-    lab_run, _ = run_lab(options)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        lab_run, _ = run_lab(options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     report = os.path.join(args.out, "report.html")
     if lab_run.interrupted:
         print(f"kvforge lab: interrupted; the report of what finished is in {report}", file=sys.stderr)

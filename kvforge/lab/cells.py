@@ -16,6 +16,10 @@ class Cell:
     params: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     skip: str | None = None  # a note instead of a measurement (the input or the engine lacks something)
 
+    @property
+    def name(self) -> str:
+        return f"{self.kind}: {self.label}"
+
     def key(self, context: dict[str, Any]) -> str:
         """Stable across processes: the kind, its parameters and the run's model, text and kvforge version."""
         blob = json.dumps({"kind": self.kind, "params": self.params, **context}, sort_keys=True)

@@ -68,11 +68,18 @@ def measure_speed(ctx: LabContext, p: dict) -> dict:
 
 
 def measure_long(ctx: LabContext, p: dict) -> dict:
-    """Perplexity per segment over a text longer than the context under StreamingLLM (`kvforge eval ppl --segment`)."""
-    from kvforge.eval.ppl import ppl_eval
+    """Perplexity per segment over a text longer than the context under StreamingLLM (`kvforge eval ppl --segment`).
 
-    r = ppl_eval(ctx.loaded, ctx.text, p["tokens"], p["chunk_size"], 0, segment=p["segment"],
-                 kv_policy="streaming", kv_policy_options={"budget": p["budget"]})
+    With p["baseline"] the fp32 full cache is scored too, over the part of the text inside the context (as eval ppl
+    does); quick runs leave that out (it costs more than the streaming run itself)."""
+    from kvforge.eval.ppl import engine_for, perplexity, ppl_eval
+
+    options = {"kv_policy": "streaming", "kv_policy_options": {"budget": p["budget"]}}
+    if p["baseline"]:
+        r = ppl_eval(ctx.loaded, ctx.text, p["tokens"], p["chunk_size"], 0, segment=p["segment"], **options)
+    else:
+        ids = ctx.loaded.tokenizer.encode(ctx.text)[:p["tokens"]]
+        r = perplexity(engine_for(ctx.loaded, len(ids), **options), ids, p["chunk_size"], p["segment"])
     return {**r, "command": _command(ctx, "eval", "ppl", *ctx.text_args.split(), "--max-tokens", p["tokens"],
                                      "--chunk-size", p["chunk_size"], "--segment", p["segment"], "--kv-policy",
                                      "streaming", "--budget", p["budget"], "--agreement-prompts", 0, "--json")}

@@ -14,7 +14,7 @@ QUICK_FORMATS = ("fp16", "fp8_e4m3", "int8", "int4", "kivi2")
 FULL_FORMATS = QUICK_FORMATS + ("bf16", "fp8_e5m2", 'int4:{"group_size": 32}', 'kivi2:{"window": 64}')
 QUICK_POLICIES = ("streaming", "h2o", "snapkv")
 FULL_POLICIES = ("window", "streaming", "h2o", "scissorhands", "snapkv")
-QUICK_TOKENS, FULL_TOKENS = 1024, 4096
+QUICK_TOKENS, FULL_TOKENS = 512, 4096
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Settings:
     budgets: list[int]
     context: int  # the model's max_position_embeddings
     speed: dict = field(default_factory=dict)  # seq_len, batch, steps, rounds, budget
-    long: dict = field(default_factory=dict)  # tokens, segment, chunk_size, budget (StreamingLLM)
+    long: dict = field(default_factory=dict)  # tokens, segment, chunk_size, budget (StreamingLLM), baseline
     passkey: dict = field(default_factory=dict)  # lengths, depths, trials, policy, budget
     advise: dict = field(default_factory=dict)  # eval_tokens, requests, output_tokens, priority
     combo_formats: list[str] = field(default_factory=list)
@@ -100,9 +100,10 @@ def settings_for(options: LabOptions, context: int, text_tokens: int) -> Setting
         speed={"seq_len": min(512 if quick else 2048, context // 2), "batch": 2 if quick else 4,
                "steps": 4 if quick else 16, "rounds": 2 if quick else 5, "budget": 1 << 30},
         long={"tokens": min(long_tokens, text_tokens), "segment": max(16, context // 8), "budget": long_budget,
-              "chunk_size": 128 if context >= 1024 else 16},
+              "chunk_size": 128 if context >= 1024 else 16, "baseline": not quick},
         passkey={"lengths": lengths or [max(64, context // 2)], "depths": [0.1, 0.5, 0.9] if quick else
-                 [0.0, 0.25, 0.5, 0.75, 1.0], "trials": 1 if quick else 2, "policy": options.policies[0],
+                 [0.0, 0.25, 0.5, 0.75, 1.0], "trials": 1 if quick else 2,
+                 "policy": "streaming" if "streaming" in options.policies else options.policies[0],
                  "budget": min(budgets)},
         advise={"eval_tokens": tokens, "requests": 2 if quick else 4, "output_tokens": 16 if quick else 32,
                 "priority": options.priority},

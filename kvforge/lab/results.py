@@ -54,7 +54,7 @@ def build_results(run, ctx, options) -> dict[str, Any]:
 
     base, rows = quality_rows(run.records)
     speed = {c.label: r["result"] for c, r in run.records.items() if c.kind == "speed"}
-    pending = [c.label for c in run.cells if not c.skip and c not in run.records]
+    pending = [c.name for c in run.cells if not c.skip and c not in run.records]
     return {
         "kvforge_version": kvforge_version(), "model": ctx.loaded.path, "text": ctx.text_name, "mode": options.mode,
         "settings": asdict(ctx.settings),

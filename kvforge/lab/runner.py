@@ -21,7 +21,7 @@ class LabRun:
     out: str
     records: dict[Cell, dict]  # finished cells (measured now or reused)
     cells: list[Cell]
-    measured: list[str] = field(default_factory=list)  # labels measured in this run
+    measured: list[str] = field(default_factory=list)  # names (kind: label) of the cells measured in this run
     reused: list[str] = field(default_factory=list)
     interrupted: bool = False
     seconds: float = 0.0
@@ -96,7 +96,7 @@ def run_lab(options: LabOptions) -> tuple[LabRun, LabContext]:
         record = None if cell.skip else cache.get(cell)
         if record is not None:
             run.records[cell] = record
-            run.reused.append(cell.label)
+            run.reused.append(cell.name)
         elif not cell.skip:
             todo.append(cell)
     progress = CellProgress(todo, options.progress)
@@ -106,11 +106,12 @@ def run_lab(options: LabOptions) -> tuple[LabRun, LabContext]:
             start = time.perf_counter()
             result = run_cell(ctx, cell)
             run.records[cell] = cache.put(cell, result, time.perf_counter() - start)
-            run.measured.append(cell.label)
+            run.measured.append(cell.name)
             progress.finish(cell)
-        progress.close()
     except KeyboardInterrupt:
         run.interrupted = True
+    finally:
+        progress.close()
     run.seconds = time.perf_counter() - t0
     write_report(run, ctx, options)
     return run, ctx

@@ -135,7 +135,7 @@ def test_rerun_measures_nothing_already_measured_and_only_new_cells(quick, lab_m
     assert measured == [] and run.measured == [] and not run.interrupted
     assert res["quality"] == quick[1]["quality"] and res["run"]["reused"] == quick[1]["run"]["measured"]
     run, _ = run_lab(options(lab_model, lab_text, out, budgets=[32, 64, 100]))  # one new budget
-    assert sorted(run.measured) == ["fp32+h2o:100", "fp32+snapkv:100", "fp32+streaming:100"]
+    assert sorted(run.measured) == ["quality: fp32+h2o:100", "quality: fp32+snapkv:100", "quality: fp32+streaming:100"]
 
 
 def test_interrupted_run_leaves_a_valid_report_and_resumes(lab_model, lab_text, tmp_path, monkeypatch):
@@ -148,7 +148,7 @@ def test_interrupted_run_leaves_a_valid_report_and_resumes(lab_model, lab_text, 
                  "--formats", *FORMATS, "--no-progress"]) == 130
     res = json.loads((out / "results.json").read_text())
     assert res["run"]["interrupted"] and res["speed"] == {} and res["passkey"] is None
-    assert len(res["quality"]) == len(res["run"]["measured"]) > 0 and set(FORMATS) <= set(res["run"]["pending"])
+    assert len(res["quality"]) == len(res["run"]["measured"]) > 0 and {f"speed: {f}" for f in FORMATS} <= set(res["run"]["pending"])
     assert len(embedded_images((out / "report.html").read_text())) == 2  # frontier and budgets: what finished
     assert "interrupted" in (out / "summary.md").read_text()
     monkeypatch.undo()
