@@ -28,6 +28,12 @@ def _loss_axis(ax, values: list[float]) -> None:
     ax.axhline(0, color="grey", lw=0.6)
 
 
+def _finish(ax, xlabel: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 def frontier(res: dict) -> Figure | None:
     rows = [r for r in res["quality"] if "delta_pct" in r]
     if len(rows) < 2:
@@ -48,9 +54,7 @@ def frontier(res: dict) -> Figure | None:
                                                                 "both": "policy x format"}[kind])
     ax.set_xscale("log")
     _loss_axis(ax, [r["delta_pct"] for r in rows])
-    ax.set_xlabel(f"KV bytes held at peak per token of text (over {res['settings']['tokens']} tokens)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    _finish(ax, f"KV bytes held at peak per token of text (over {res['settings']['tokens']} tokens)")
     return fig
 
 
@@ -88,9 +92,7 @@ def budgets(res: dict) -> Figure | None:
         ax.plot(xs, ys, marker="o", ls="-" if "+" not in key else "--", label=key)
     ax.set_xscale("log", base=2)
     _loss_axis(ax, [y for pts in lines.values() for _, y in pts])
-    ax.set_xlabel(f"KV budget (tokens kept, of {res['settings']['tokens']})")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    _finish(ax, f"KV budget (tokens kept, of {res['settings']['tokens']})")
     return fig
 
 
@@ -106,10 +108,8 @@ def position(res: dict) -> Figure | None:
         ax.plot(ends[:len(r["segments_baseline"])], r["segments_baseline"], marker="s", ls="--",
                 label="fp32 full cache (within the context)")
     ax.axvline(res["settings"]["context"], color="grey", ls=":", label=f"model context ({res['settings']['context']})")
-    ax.set_xlabel(f"position (end of each {seg}-token segment)")
     ax.set_ylabel("perplexity of the segment")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    _finish(ax, f"position (end of each {seg}-token segment)")
     return fig
 
 
