@@ -35,4 +35,4 @@ def advise_candidates(options: LabOptions, s: Settings) -> list[str]:
     """The formats without options (advise takes plain dtypes) and one policy x format combination."""
     plain = [f for f in options.formats if ":" not in f] or [BASELINE]
     combo = next((f for f in s.combo_formats if f in plain), plain[-1])
-    return plain + [f"{combo}+{options.policies[0]}:{s.combo_budgets[0]}"]
+    return plain + [f"{combo}+{options.lead_policy}:{s.combo_budgets[0]}"]

@@ -52,6 +52,11 @@ class LabOptions:
     def quick(self) -> bool:
         return self.mode == "quick"
 
+    @property
+    def lead_policy(self) -> str:
+        """The policy the passkey map and the advisor's combination use: StreamingLLM when it is asked for."""
+        return "streaming" if "streaming" in self.policies else self.policies[0]
+
     def check_out_dir(self) -> None:
         """The output folder exists (or can be made) and takes files."""
         try:
@@ -103,7 +108,7 @@ def settings_for(options: LabOptions, context: int, text_tokens: int) -> Setting
               "chunk_size": 128 if context >= 1024 else 16, "baseline": not quick},
         passkey={"lengths": lengths or [max(64, context // 2)], "depths": [0.1, 0.5, 0.9] if quick else
                  [0.0, 0.25, 0.5, 0.75, 1.0], "trials": 1 if quick else 2,
-                 "policy": "streaming" if "streaming" in options.policies else options.policies[0],
+                 "policy": options.lead_policy,
                  "budget": min(budgets)},
         advise={"eval_tokens": tokens, "requests": 2 if quick else 4, "output_tokens": 16 if quick else 32,
                 "priority": options.priority},
