@@ -162,7 +162,9 @@ def test_interrupted_run_leaves_a_valid_report_and_resumes(lab_model, lab_text, 
     (["--policies", "lru"], "unknown policy 'lru'"),
     (["--budgets", "64", "256"], "budget 256 is not smaller than the 256 tokens"),
     (["--text", "/nonexistent/book.txt"], "neither a readable file nor a named text"),
+    (["--text", "{binary}"], "cannot read text file"),
     (["--out", "{file}/sub"], "is not a writable folder"),
+    (["--tokens", "600"], "more than the model's context of 512"),
 ])
 def test_bad_input_is_a_clear_error_before_any_work(argv, message, lab_model, lab_text, tmp_path, monkeypatch, capsys):
     def never(ctx, p):
@@ -171,7 +173,8 @@ def test_bad_input_is_a_clear_error_before_any_work(argv, message, lab_model, la
     for kind in lab_measure.MEASURERS:
         monkeypatch.setitem(lab_measure.MEASURERS, kind, never)
     (tmp_path / "file").write_text("")
-    argv = [a.replace("{file}", str(tmp_path / "file")) for a in argv]
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00 not UTF-8")
+    argv = [a.replace("{file}", str(tmp_path / "file")).replace("{binary}", str(tmp_path / "binary")) for a in argv]
     base = ["lab", "--model", lab_model, "--text", lab_text, "--out", str(tmp_path / "out"), "--tokens", "256",
             "--formats", *FORMATS]
     assert main(base + argv) == 2
