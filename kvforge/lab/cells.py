@@ -46,9 +46,9 @@ def cost(cell: Cell) -> float:
     if cell.kind == "quality":
         return 6.0 * p["tokens"]
     if cell.kind == "speed":
-        return 3.0 * p["seq_len"] * p["rounds"]
+        return 1.5 * p["seq_len"] * p["rounds"]
     if cell.kind == "passkey":
         return 6.0 * p["length"] * len(p["depths"]) * p["trials"]
     if cell.kind == "long":
         return 3.0 * p["tokens"]
-    return 10.0 * (p["candidates"].count(",") + 2) * (p["eval_tokens"] + 300)
+    return 6.0 * (p["candidates"].count(",") + 2) * (p["eval_tokens"] + 300)

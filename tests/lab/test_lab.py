@@ -179,3 +179,16 @@ def test_bad_input_is_a_clear_error_before_any_work(argv, message, lab_model, la
             "--formats", *FORMATS]
     assert main(base + argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_full_mode_scores_the_full_cache_beside_streaming_past_the_context(lab_model, lab_text, tmp_path, capsys):
+    opts = LabOptions(model=lab_model, text=lab_text, out=str(tmp_path), mode="full", formats=["int8"],
+                      policies=["streaming"], budgets=[64, 128], progress=False)
+    run_lab(opts)
+    res = json.loads((tmp_path / "results.json").read_text())
+    long = res["long"]
+    ref = single_command(long["command"], capsys)
+    assert long["tokens"] > res["settings"]["context"] and ref["segments"] == long["segments"]
+    assert ref["segments_baseline"] == long["segments_baseline"] and len(long["segments_baseline"]) < len(long["segments"])
+    assert [r["label"] for r in res["quality"]] == ["fp32", "int8", "fp32+streaming:64", "fp32+streaming:128",
+                                                    "int8+streaming:64", "int8+streaming:128"]
