@@ -18,8 +18,8 @@ class LabContext:
     loaded: Any  # kvforge.models.loader.LoadedModel
     text: str
     text_name: str  # "hamlet" or the file's path
-    text_args: str  # how a single command names the same text: "--text hamlet" or "--text-file PATH"
-    model_args: str  # "" for the embedded model, else "--model PATH"
+    text_args: list[str]  # how a single command names the same text: --text hamlet, or --text-file PATH
+    model_path: str | None  # None for the embedded model
     ids: list[int]  # the quality text's token ids (settings.tokens of them)
     settings: Settings
 
@@ -37,7 +37,8 @@ def _format_flags(spec: str) -> list[str]:
 
 
 def _command(ctx: LabContext, *words: str | float) -> str:
-    return " ".join(["kvforge", *(shlex.quote(str(w)) for w in words if w != ""), ctx.model_args]).strip()
+    model = ["--model", ctx.model_path] if ctx.model_path else []
+    return shlex.join(["kvforge", *(str(w) for w in words), *model])
 
 
 def measure_quality(ctx: LabContext, p: dict) -> dict:
@@ -50,7 +51,7 @@ def measure_quality(ctx: LabContext, p: dict) -> dict:
     policy = ["--kv-policy", p["policy"], "--budget", p["budget"]] if p["policy"] else []
     return {"ppl": r["ppl"], "peak_kv_bytes": r["peak_kv_bytes"], "tokens": r["tokens"],
             "kv_bytes_per_token": bytes_per_token(engine.spec, engine.format, engine.kv.block_size),
-            "command": _command(ctx, "eval", "ppl", *ctx.text_args.split(), "--max-tokens", len(ctx.ids),
+            "command": _command(ctx, "eval", "ppl", *ctx.text_args, "--max-tokens", len(ctx.ids),
                                 *_format_flags(p["format"]), *policy, "--agreement-prompts", 0, "--json")}
 
 
@@ -80,7 +81,7 @@ def measure_long(ctx: LabContext, p: dict) -> dict:
     else:
         ids = ctx.loaded.tokenizer.encode(ctx.text)[:p["tokens"]]
         r = perplexity(engine_for(ctx.loaded, len(ids), **options), ids, p["chunk_size"], p["segment"])
-    return {**r, "command": _command(ctx, "eval", "ppl", *ctx.text_args.split(), "--max-tokens", p["tokens"],
+    return {**r, "command": _command(ctx, "eval", "ppl", *ctx.text_args, "--max-tokens", p["tokens"],
                                      "--chunk-size", p["chunk_size"], "--segment", p["segment"], "--kv-policy",
                                      "streaming", "--budget", p["budget"], "--agreement-prompts", 0, "--json")}
 
@@ -103,11 +104,10 @@ def measure_advise(ctx: LabContext, p: dict) -> dict:
     loss = DEFAULT_MAX_LOSS[p["priority"]]
     m = measure(ctx.loaded, parse_candidates(p["candidates"]), ctx.text, p["eval_tokens"], p["priority"], loss,
                 requests=p["requests"], output_tokens=p["output_tokens"], text_name=ctx.text_name)
-    model = ctx.model_args.removeprefix("--model ").strip()
-    words = ["advise", *([model] if model else []), "--measure", "--candidates", p["candidates"], "--eval-tokens",
-             p["eval_tokens"], *ctx.text_args.split(), "--priority", p["priority"], "--requests", p["requests"],
+    words = ["advise", *([ctx.model_path] if ctx.model_path else []), "--measure", "--candidates", p["candidates"], "--eval-tokens",
+             p["eval_tokens"], *ctx.text_args, "--priority", p["priority"], "--requests", p["requests"],
              "--output-tokens", p["output_tokens"], "--json"]
-    return {**m.to_dict(), "command": " ".join(["kvforge", *(shlex.quote(str(w)) for w in words)])}
+    return {**m.to_dict(), "command": shlex.join(["kvforge", *(str(w) for w in words)])}
 
 
 def engine_lacks(module: str, feature: str) -> Callable[[], str | None]:

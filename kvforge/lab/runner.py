@@ -34,17 +34,17 @@ def kvforge_version() -> str:
         return "unknown"
 
 
-def resolve_text(text: str) -> tuple[str, str, str]:
+def resolve_text(text: str) -> tuple[str, str, list[str]]:
     """(text, name, flags a single command takes): a named text, else a file path."""
     from kvforge.eval.texts import PLAYS, load_text
 
     named = all(p in PLAYS or os.path.exists(f"/usr/share/common-licenses/{p.upper()}") for p in text.split("+"))
     if named and not os.path.isfile(text):
-        return load_text(text), text, f"--text {text}"
+        return load_text(text), text, ["--text", text]
     if not os.path.isfile(text):
         raise ConfigError(f"--text {text!r} is neither a readable file nor a named text "
                           f"({', '.join(PLAYS)}, gpl-3, apache-2.0, or several joined with '+')")
-    return load_text(path=text), text, f"--text-file {os.path.abspath(text)}"
+    return load_text(path=text), text, ["--text-file", os.path.abspath(text)]
 
 
 def model_fingerprint(path: str) -> dict:
@@ -76,7 +76,7 @@ def prepare(options: LabOptions) -> tuple[LabContext, list[Cell], dict]:
     check_formats(options.formats, loaded.config)
     all_ids = loaded.tokenizer.encode(text)
     settings = settings_for(options, loaded.config.max_position_embeddings, len(all_ids))
-    ctx = LabContext(loaded, text, name, text_args, f"--model {loaded.path}" if options.model else "",
+    ctx = LabContext(loaded, text, name, text_args, loaded.path if options.model else None,
                      all_ids[:settings.tokens], settings)
     key_context = {"model": model_fingerprint(loaded.path), "text": hashlib.sha256(text.encode()).hexdigest(),
                    "kvforge": kvforge_version()}
