@@ -86,6 +86,7 @@ def speed(res: dict) -> Figure | None:
     ax.set_xticks(range(len(labels)), labels, rotation=20, fontsize=8)
     s = res["settings"]["speed"]
     ax.set_ylabel(f"decode tok/s (batch {s['batch']}, {s['seq_len']}-token context)")
+    ax.set_title(f"median of {s['rounds']} interleaved rounds x {s['steps']} steps per format", fontsize=8)
     ax.legend(fontsize=8)
     return fig
 
@@ -103,6 +104,9 @@ def budgets(res: dict) -> Figure | None:
         xs, ys = zip(*sorted(pts))
         ax.plot(xs, ys, marker="o", ls="-" if "+" not in key else "--", label=key)
     ax.set_xscale("log", base=2)
+    ticks = sorted({b for pts in lines.values() for b, _ in pts})
+    ax.set_xticks(ticks, [str(b) for b in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     _loss_axis(ax, [y for pts in lines.values() for _, y in pts])
     _finish(ax, f"KV budget (tokens kept, of {res['settings']['tokens']})")
     return fig
