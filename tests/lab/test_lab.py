@@ -1,6 +1,7 @@
 """`kvforge lab --quick` on a tiny model: its figures equal the single commands', the report is self-contained,
 a re-run measures nothing already measured, and an interrupted run still leaves a valid report."""
 import base64
+import html
 import io
 import json
 import shlex
@@ -192,3 +193,15 @@ def test_full_mode_scores_the_full_cache_beside_streaming_past_the_context(lab_m
     assert ref["segments_baseline"] == long["segments_baseline"] and len(long["segments_baseline"]) < len(long["segments"])
     assert [r["label"] for r in res["quality"]] == ["fp32", "int8", "fp32+streaming:64", "fp32+streaming:128",
                                                     "int8+streaming:64", "int8+streaming:128"]
+
+
+def test_a_text_within_the_context_skips_the_long_cell_with_a_note(lab_model, tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("A short note about caches, kept and evicted; 7 keys.\n" * 6)  # ~320 tokens < context 512
+    run, _ = run_lab(LabOptions(model=lab_model, text=str(text), out=str(tmp_path / "out"), formats=["fp16"],
+                                policies=["streaming"], budgets=[32, 64], progress=False))
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert res["long"] is None and res["settings"]["tokens"] == len(text.read_text())  # quick caps at the text
+    note = next(s["note"] for s in res["skipped"] if s["kind"] == "long")
+    assert "not more than the model's context of 512" in note and html.escape(note) in (tmp_path / "out" / "report.html").read_text()
+    assert not run.interrupted and res["run"]["pending"] == []
