@@ -3,7 +3,8 @@
 Queries of one step are flattened across sequences: sequence i owns rows
 query_start_loc[i] : query_start_loc[i] + query_lens[i]. Its keys are the first
 context_lens[i] slots of the blocks in block_tables[i] (the new tokens included:
-they were written to the cache before attention runs).
+they were written to the cache before attention runs). What every layer needs alike (padded
+block tables, masks, block-id tensors) is built once per step, on the first layer's use.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvforge.kv.formats import LayerKV
-from kvforge.kv.policies.stats import record_decode, record_prefill
+from kvforge.kv.layer_format import LayerKV
+from kvforge.kv.policies.stats import AttentionStats, record_decode, record_prefill
 
 DECODE_BUCKETS = 4
 
@@ -27,7 +28,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]
     block_size: int
     sliding_window: int | None = None
-    collect: dict[int, int] | None = None  # row -> trailing queries whose attention a KV policy wants
+    stats: AttentionStats | None = None  # attention rows a KV policy asked for, filled by attend
     query_start_loc: list[int] = field(init=False)
     decode_rows: list[int] = field(init=False)  # sequences with one query token
     prefill_rows: list[int] = field(init=False)
@@ -41,7 +42,7 @@ class AttentionMetadata:
         self.decode_rows = [i for i, n in enumerate(self.query_lens) if n == 1]
         self.prefill_rows = [i for i, n in enumerate(self.query_lens) if n != 1]
         self._groups_cache = None
-        self.attn_sums: dict[int, torch.Tensor] = {}  # row -> [k, context_len], summed over heads and layers
+        self._prefill_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def decode_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Decode rows bucketed by length (rows, table, mask, query index), so short rows are not padded to long ones."""
@@ -64,6 +65,19 @@ class AttentionMetadata:
             valid &= key_pos[None, :] >= (ctx[:, None] - self.sliding_window)
         q_index = torch.tensor([self.query_start_loc[i] for i in rows])
         return table.to(device), valid.to(device), q_index.to(device)
+
+    def prefill_layout(self, i: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill row i's history block ids and its [queries, context_len] causal mask (sliding window included)."""
+        if i not in self._prefill_cache:
+            n, ctx = self.query_lens[i], self.context_lens[i]
+            blocks = torch.tensor(self.block_tables[i][: -(-ctx // self.block_size)], device=device)
+            qpos = torch.arange(ctx - n, ctx, device=device)[:, None]
+            kpos = torch.arange(ctx, device=device)[None, :]
+            mask = kpos <= qpos
+            if self.sliding_window:
+                mask &= kpos > qpos - self.sliding_window
+            self._prefill_cache[i] = blocks, mask
+        return self._prefill_cache[i]
 
 
 def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -97,10 +111,10 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
         scores = torch.bmm(qd[:, h], k[:, :, h].transpose(1, 2)) * scale
         probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
         out.append(torch.bmm(probs, v[:, :, h]))
-        if meta.collect:
+        if meta.stats:
             acc = probs.sum(1) if acc is None else acc + probs.sum(1)
     if acc is not None:
-        record_decode(meta, rows, acc)
+        record_decode(meta.stats, rows, acc, meta.context_lens)
     return torch.stack(out, 1).reshape(b, -1, v.shape[-1])
 
 
@@ -108,15 +122,10 @@ def prefill_history(cache: LayerKV, meta: AttentionMetadata, i: int,
                     device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Sequence i's cached K and V (V None for MLA) as [1, kv_heads, context_len, dim], and its
     [queries, context_len] causal mask (sliding window included)."""
-    n, ctx = meta.query_lens[i], meta.context_lens[i]
-    blocks = torch.tensor(meta.block_tables[i][: -(-ctx // meta.block_size)], device=device)
+    ctx = meta.context_lens[i]
+    blocks, mask = meta.prefill_layout(i, device)
     k, v = cache.gather(blocks)
     k, v = (x[:ctx].transpose(0, 1)[None] if x is not None else None for x in (k, v))
-    qpos = torch.arange(ctx - n, ctx, device=device)[:, None]
-    kpos = torch.arange(ctx, device=device)[None, :]
-    mask = kpos <= qpos
-    if meta.sliding_window:
-        mask &= kpos > qpos - meta.sliding_window
     return k, v, mask
 
 
@@ -125,6 +134,6 @@ def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: in
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )
-    if meta.collect:
-        record_prefill(meta, i, q, k, mask, scale)
+    if meta.stats:
+        record_prefill(meta.stats, i, q, k, mask, scale)
     return out[0].transpose(0, 1)

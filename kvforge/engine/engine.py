@@ -9,7 +9,7 @@ import torch
 from kvforge.config import EngineConfig
 from kvforge.engine.host_memory import keep_freed_memory
 from kvforge.engine.runner import ModelRunner
-from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -17,7 +17,7 @@ from kvforge.kv.formats import get_format
 from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
 from kvforge.kv.policies import Evictor, build_policy
-from kvforge.kv.spec import KVCacheSpec
+from kvforge.kv.policies.stats import AttentionStats
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
@@ -33,7 +33,7 @@ class LLMEngine:
         self.model_config = cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.spec = KVCacheSpec.from_model_config(cfg)
+        self.spec = cfg.kv_cache_spec()
         self.format = get_format(config.kv_cache_dtype, **(config.kv_cache_options or {}))
         self.format.validate(self.spec, config.block_size)
         num_blocks = self._num_blocks()
@@ -85,6 +85,10 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                 "so the prompt must be shorter than that to leave room for at least one generated token")
+        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; with enable_chunked_prefill=False a prompt runs in one step, so it may "
+                f"have at most max_num_batched_tokens={self.config.max_num_batched_tokens} tokens")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -136,17 +140,17 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        sampled = self.runner.execute(batch)
-        bs = self.kv.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens // bs > (seq.num_computed_tokens - n) // bs:
-                self.kv.cache_computed_blocks(seq)
+        result = self.runner.execute(batch)
+        self.commit(batch, result.stats)
         outputs = []
         now = time.monotonic()
         for seq in batch.seqs:
-            if seq.request_id not in sampled:
+            token = result.tokens.get(seq.request_id)
+            if token is None:
                 continue
-            seq.token_ids.append(sampled[seq.request_id])
+            seq.token_ids.append(token)
+            if seq.request_id in result.logprobs:
+                seq.logprobs.append(result.logprobs[seq.request_id])
             self.generated_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
@@ -159,6 +163,16 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(seq))
         return outputs
+
+    def commit(self, batch: ScheduledBatch, stats: AttentionStats | None = None) -> None:
+        """A forward pass succeeded: its tokens count as computed, full blocks become shareable, the KV policy runs."""
+        self.scheduler.update_from_output(batch)
+        bs = self.kv.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens // bs > (seq.num_computed_tokens - n) // bs:
+                self.kv.cache_full_blocks(seq)
+        if self.runner.evictor:
+            self.runner.evictor.after_step(batch.seqs, stats)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         out_ids = seq.output_token_ids

@@ -8,7 +8,6 @@ from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.kv.formats import get_format
 from kvforge.kv.memory import sequences_that_fit
-from kvforge.kv.spec import KVCacheSpec
 
 
 def test_throughput_counts_the_same_tokens_for_both(tiny_loaded, tiny_dir):
@@ -37,7 +36,7 @@ def test_prefix_bench_reuses_the_shared_prompt(tiny_loaded):
 
 
 def test_quantized_formats_fit_more_sequences(tiny_loaded):
-    spec = KVCacheSpec.from_model_config(tiny_loaded.config)
+    spec = tiny_loaded.config.kv_cache_spec()
     fit = {d: sequences_that_fit(spec, get_format(d), 16, 8 << 20, 256) for d in ("fp32", "fp16", "int8")}
     assert fit["fp16"] == 2 * fit["fp32"] and fit["int8"] >= 1.7 * fit["fp16"]
 

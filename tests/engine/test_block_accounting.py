@@ -23,8 +23,10 @@ def check_accounting(engine: LLMEngine) -> None:
     alloc.check()
     assert alloc.num_used + alloc.num_free == alloc.num_blocks
     expected = [0] * alloc.num_blocks
-    for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-        for b in seq.block_table:
+    live = {seq.request_id for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting)}
+    assert set(kv.requests) <= live, "KV state kept for a request that is gone"
+    for state in kv.requests.values():
+        for b in (b for table in state.block_tables for b in table):
             expected[b] += 1
     if kv.prefix_tree is not None:
         for b in (b for node in kv.prefix_tree._postorder() for b in node.block_ids):
