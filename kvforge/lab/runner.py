@@ -56,9 +56,8 @@ def model_fingerprint(path: str) -> dict:
 def check_formats(specs: list[str], config) -> None:
     """Every format can store this model's KV (e.g. a group size that divides head_dim)."""
     from kvforge.kv.formats import get_format, parse_format_spec
-    from kvforge.kv.spec import KVCacheSpec
 
-    spec = KVCacheSpec.from_model_config(config)
+    spec = config.kv_cache_spec()
     for text in specs:
         name, opts = parse_format_spec(text)
         get_format(name, **opts).validate(spec, 16)
