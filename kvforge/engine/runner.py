@@ -14,8 +14,8 @@ from kvforge.kv.policies.stats import AttentionStats
 
 @dataclass
 class StepResult:
-    tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
-    logprobs: dict[str, dict] = field(default_factory=dict)  # request id -> top logprobs of that token
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> tokens it emits (more with speculation)
+    logprobs: dict[str, list[dict]] = field(default_factory=dict)  # request id -> top logprobs of each of them
     stats: AttentionStats | None = None  # attention a KV policy asked for
 
 
@@ -29,19 +29,21 @@ class ModelRunner:
         self.sampled_tokens = 0
         self.attended_keys = 0  # sum over query tokens of the keys each attended to
         self.evictor = None  # kvforge.kv.policies.Evictor when a KV policy evicts
+        self.speculator = None  # kvforge.engine.spec.SpeculativeDecoder when speculative decoding is on
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         input_ids, positions, slots, ctx_lens, tables, sample_rows = [], [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             cache_start = self.kv.cache_len(seq)  # == start unless a KV policy evicted tokens
-            input_ids.extend(seq.token_ids[start:end])
+            tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
+            input_ids.extend(tokens[start:end])
             positions.extend(self.evictor.positions(seq, n) if self.evictor else range(start, end))
             slots.extend(self.kv.slots(seq, cache_start, cache_start + n))
             ctx_lens.append(cache_start + n)
             tables.append(self.kv.block_table(seq))
-            if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+            if end == len(tokens):  # the last row, and one per draft before it, predict new tokens
+                sample_rows.extend(range(len(input_ids) - 1 - len(seq.draft_token_ids), len(input_ids)))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -70,14 +72,26 @@ class ModelRunner:
         """Run one step: the sampled token (and top logprobs, when asked) of each sequence that reaches its last token."""
         hidden, sample_rows, stats = self.forward(batch)
         result = StepResult(stats=stats)
-        sampled_seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+        sampled_seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
+                        if s.num_computed_tokens + n == s.num_tokens + len(s.draft_token_ids)]
         if not sampled_seqs:
             return result
         logits = self.model.compute_logits(hidden[sample_rows]).float()
-        tokens = sample(logits, sampled_seqs)
-        self.sampled_tokens += len(tokens)
-        for row, (seq, tok) in enumerate(zip(sampled_seqs, tokens)):
-            result.tokens[seq.request_id] = tok
+        rows, first = [], 0
+        for seq in sampled_seqs:
+            rows.append(range(first, first + 1 + len(seq.draft_token_ids)))
+            first += 1 + len(seq.draft_token_ids)
+        plain = [i for i, seq in enumerate(sampled_seqs) if not seq.draft_token_ids]
+        plain_tokens = sample(logits[[rows[i][0] for i in plain]], [sampled_seqs[i] for i in plain]) if plain else []
+        emitted = dict(zip(plain, ([t] for t in plain_tokens)))
+        for i, seq in enumerate(sampled_seqs):
+            if seq.draft_token_ids:
+                emitted[i] = self.speculator.verify(seq, logits[rows[i].start: rows[i].stop])
+        for i, seq in enumerate(sampled_seqs):
+            toks = emitted[i]
+            self.sampled_tokens += len(toks)
+            result.tokens[seq.request_id] = toks
             if seq.params.logprobs is not None:
-                result.logprobs[seq.request_id] = top_logprobs(logits[row], tok, seq.params.logprobs, self.detokenize)
+                result.logprobs[seq.request_id] = [top_logprobs(logits[rows[i][j]], t, seq.params.logprobs, self.detokenize)
+                                                   for j, t in enumerate(toks)]
         return result

@@ -88,20 +88,25 @@ class Scheduler:
             budget -= n
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens
         # without chunked prefill a sequence runs whole, unless it is longer than any step (a long recompute)
         if remaining > budget and not self.chunked_prefill and remaining <= self.max_num_batched_tokens:
             return 0
-        return min(remaining, budget)
+        n = min(remaining, budget)
+        del seq.draft_token_ids[max(0, n - 1):]  # drafts that do not fit this step are dropped
+        return n
 
-    def update_from_output(self, batch: ScheduledBatch) -> None:
-        """The step ran: its new tokens' K/V are in the cache (the one place num_computed_tokens grows)."""
+    def update_from_output(self, batch: ScheduledBatch, rejected: dict[str, int] | None = None) -> None:
+        """The step ran: its new tokens' K/V are in the cache, less the drafted tokens verification rejected
+        (the one place num_computed_tokens moves forward, so a rollback is one subtraction here)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - (rejected or {}).get(seq.request_id, 0)
+            seq.draft_token_ids = []
 
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self._release(seq)

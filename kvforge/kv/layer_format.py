@@ -29,6 +29,9 @@ class LayerKV(ABC):
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 K and V of the given blocks, concatenated: [len(block_ids) * block_size, heads, dim]."""
 
+    def forget_rows(self, block: int, offset: int) -> None:
+        """Rows from `offset` on in `block` are void (rolled back); they will be written again before use."""
+
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer allocated, for exact byte accounting."""

@@ -151,6 +151,14 @@ class KVCacheManager:
         self.allocator.decref(state.block_table[kept:])
         del state.block_table[kept:]
 
+    def rollback(self, req) -> None:
+        """req's num_computed_tokens moved back (rejected drafts): free blocks past its cache and tell the
+        layers that rows past it in the last block are void (staged formats must not encode them)."""
+        length = self.cache_len(req)
+        self.truncate(req, length)
+        if length % self.block_size:
+            self.pool.forget_rows(self.block_table(req)[length // self.block_size], length % self.block_size)
+
     def record_evicted(self, req, num_tokens: int) -> None:
         self._state(req).num_evicted += num_tokens
 

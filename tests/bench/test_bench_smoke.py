@@ -54,3 +54,17 @@ def test_kv_formats_bench_sweeps_options_with_memory_quality_and_speed(tiny_load
     assert r["quality"]["tokens"] == 48 and abs(rows["fp16"]["delta_pct"]) < 0.1
     for row in rows.values():
         assert row["decode_tok_s"] > 0 and row["ppl"] > 1
+
+
+def test_spec_bench_compares_the_same_outputs(tiny_loaded):
+    from kvforge.bench.spec import spec_bench
+
+    workloads = {"grounded": lambda n: [[5, 6, 7, 8, 9] * 5 + [i] for i in range(n)],
+                 "chat": lambda n: [list(range(20 + i, 44 + i)) for i in range(n)]}
+    r = spec_bench(tiny_loaded, batches=(1, 3), prompts_b1=2, max_tokens=12, show=False, workloads=workloads)
+    for workload in workloads:
+        for key, n in (("b1", 2), ("b3", 3)):
+            on, off = r["ngram"][workload][key], r["off"][workload][key]
+            assert on["same_output"] and on["output_tokens"] == off["output_tokens"] == 12 * n
+            assert on["speedup"] == on["decode_tok_s"] / off["decode_tok_s"]
+            assert 1.0 <= on["mean_acceptance_length"] <= 1 + 5 and 0.0 <= on["acceptance_rate"] <= 1.0

@@ -1,4 +1,5 @@
-"""No block leaks: random add / step / abort / preempt workloads keep every block accounted."""
+"""No block leaks: random add / step / abort / preempt workloads (with and without speculative rollback)
+keep every block accounted."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,11 +36,14 @@ def check_accounting(engine: LLMEngine) -> None:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(program=ops, prefix_caching=st.booleans(), layout=st.sampled_from(["paged", "contiguous"]))
-def test_random_workloads_never_leak(tiny_loaded, program, prefix_caching, layout):
+@given(program=ops, prefix_caching=st.booleans(), layout=st.sampled_from(["paged", "contiguous"]),
+       speculative=st.booleans())
+def test_random_workloads_never_leak(tiny_loaded, program, prefix_caching, layout, speculative):
     # 24 blocks of 4 tokens: small enough that preemption happens often
     cfg = EngineConfig(kv_cache_memory=24 * 4 * 2 * 2 * 2 * 16 * 4, block_size=4, max_model_len=64, max_num_seqs=6,
-                       max_num_batched_tokens=24, enable_prefix_caching=prefix_caching, kv_layout=layout)
+                       max_num_batched_tokens=24, enable_prefix_caching=prefix_caching, kv_layout=layout,
+                       speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+                       if speculative else None)
     engine = LLMEngine(cfg, tiny_loaded)
     assert engine.kv.num_blocks == 24
     shared = list(range(5, 25))

@@ -20,6 +20,16 @@ class Evictor:
         return SequenceView(self.kv.cache_len(seq), seq.num_computed_tokens, len(seq.prompt_token_ids),
                             self.kv.policy_state(seq, PolicyState))
 
+    def tokens_before_compaction(self, seq, limit: int) -> int:
+        """How many more tokens seq can compute (at most limit) before its cache must be compacted, so a
+        multi-token step (speculation) compacts exactly where token-by-token decoding would."""
+        view = self.view(seq)
+        for j in range(1, limit):
+            after = SequenceView(view.cache_len + j, view.num_computed_tokens + j, view.prompt_len, view.state)
+            if self.policy.should_compact(after):
+                return j
+        return limit
+
     def positions(self, seq, num_new: int) -> range:
         """RoPE positions of the new tokens: cache indices (streaming) or logical positions."""
         base = self.kv.cache_len(seq) if self.policy.rope_by_cache_index else seq.num_computed_tokens
@@ -33,11 +43,15 @@ class Evictor:
         rows = {i: r for i, r in rows.items() if r}
         return AttentionStats(rows) if rows else None
 
-    def after_step(self, seqs, stats: AttentionStats | None) -> None:
-        """Feed the step's attention to each sequence's state, then compact the ones over budget."""
+    def after_step(self, seqs, stats: AttentionStats | None, rejected: dict[str, int] | None = None) -> None:
+        """Feed the step's attention to each sequence's state (rows and keys of rejected drafts left out),
+        then compact the ones over budget."""
         for i, seq in enumerate(seqs):
             view = self.view(seq)
             attn = stats.sums.get(i) if stats is not None else None
+            cut = (rejected or {}).get(seq.request_id, 0)
+            if attn is not None and cut:
+                attn = attn[: attn.shape[0] - cut, : attn.shape[1] - cut] if attn.shape[0] > cut else None
             if attn is not None:
                 self.policy.observe(view.state, attn / attn.sum(-1, keepdim=True))
             keep = self.policy.keep(view)

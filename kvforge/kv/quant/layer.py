@@ -124,6 +124,13 @@ class QuantLayerKV(LayerKV):
             o = torch.arange(self.sinks, device=b.device).repeat(len(blocks))
             self._store(b, o, [x.flatten(0, 1).float() for x in exact], b[:0])
 
+    def forget_rows(self, block: int, offset: int) -> None:
+        """A staged block cut back below its end is no longer full, so it is not encoded until refilled."""
+        if self.stage is not None and offset < self.bs:
+            e = int(self.stage.lookup(torch.tensor([block], device=self.stage_full.device))[0])
+            if e >= 0:
+                self.stage_full[e] = False
+
     # ---- read -------------------------------------------------------------------------------
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bids = block_ids.long()
