@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("quality", "speed", "long", "passkey", "advise", "tiers", "speculative")
+MEASURED = ("quality", "speed", "long", "passkey", "advise", "speculative")
+KINDS = (*MEASURED, "tiers")  # tiers: a hook until the engine has them
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def quality_cell(tokens: int, spec: str, policy: str | None = None, budget: int 
 def cost(cell: Cell) -> float:
     """Rough relative time of a cell (about milliseconds on SmolLM2 over 2 cores), for the ETA."""
     p = cell.params
-    if cell.skip or cell.kind not in ("quality", "speed", "long", "passkey", "advise"):
+    if cell.skip or cell.kind not in MEASURED:
         return 0.0
     if cell.kind == "quality":
         return 6.0 * p["tokens"]
@@ -51,4 +52,6 @@ def cost(cell: Cell) -> float:
         return 6.0 * p["length"] * len(p["depths"]) * p["trials"]
     if cell.kind == "long":
         return 3.0 * p["tokens"]
+    if cell.kind == "speculative":
+        return 8.0 * p["prompts"] * len(p["batches"]) * (p["passage_tokens"] + 4 * p["max_tokens"])
     return 6.0 * (p["candidates"].count(",") + 2) * (p["eval_tokens"] + 300)

@@ -5,12 +5,12 @@ from kvforge.lab.cells import Cell, quality_cell
 from kvforge.lab.measure import SKIPPED
 from kvforge.lab.options import LabOptions, Settings
 
-HOOKS = {"tiers": "KV tiers", "speculative": "speculative decoding"}  # kinds the engine does not have yet
+HOOKS = {"tiers": "KV tiers"}  # kinds the engine does not have yet
 
 BASELINE = "fp32"
 
 
-def plan(options: LabOptions, s: Settings) -> list[Cell]:
+def plan(options: LabOptions, s: Settings, has_chat_template: bool = True) -> list[Cell]:
     """Cells in the order they run: cheap, most-wanted figures first, so an interrupted run still says most."""
     n = s.tokens
     cells = [quality_cell(n, BASELINE)]
@@ -27,6 +27,8 @@ def plan(options: LabOptions, s: Settings) -> list[Cell]:
     cells.append(Cell("long", f"streaming over {s.long['tokens']} tokens", dict(s.long), short))
     cells.append(Cell("advise", "advise --measure", {"candidates": ",".join(advise_candidates(options, s)),
                                                      **s.advise}))
+    no_chat = None if has_chat_template else "skipped: the model's tokenizer has no chat template (bench spec prompts with one)"
+    cells.append(Cell("speculative", "ngram drafting", dict(s.speculative), no_chat))
     cells += [Cell(kind, label, {}, SKIPPED[kind]()) for kind, label in HOOKS.items()]
     return cells
 

@@ -110,6 +110,17 @@ def measure_advise(ctx: LabContext, p: dict) -> dict:
     return {**m.to_dict(), "command": shlex.join(["kvforge", *(str(w) for w in words)])}
 
 
+def measure_speculative(ctx: LabContext, p: dict) -> dict:
+    """Plain decoding vs ngram drafting on grounded and chat prompts (`kvforge bench spec`)."""
+    from kvforge.bench.spec import spec_bench
+
+    r = spec_bench(ctx.loaded, ["ngram"], tuple(p["batches"]), p["prompts"], p["max_tokens"], p["passage_tokens"],
+                   show=False)
+    return {**r, "command": _command(ctx, "bench", "spec", "--methods", "ngram", "--batches", *p["batches"],
+                                     "--prompts", p["prompts"], "--max-tokens", p["max_tokens"], "--passage-tokens",
+                                     p["passage_tokens"], "--no-progress", "--json")}
+
+
 def engine_lacks(module: str, feature: str) -> Callable[[], str | None]:
     """A hook for kinds the engine does not have yet: the note the report shows instead of figures.
 
@@ -123,11 +134,10 @@ def engine_lacks(module: str, feature: str) -> Callable[[], str | None]:
 
 MEASURERS: dict[str, Callable[[LabContext, dict], dict]] = {
     "quality": measure_quality, "speed": measure_speed, "long": measure_long, "passkey": measure_passkey,
-    "advise": measure_advise,
+    "advise": measure_advise, "speculative": measure_speculative,
 }
 SKIPPED: dict[str, Callable[[], str | None]] = {
     "tiers": engine_lacks("kvforge.kv.tiers", "KV tiers (device -> host -> disk)"),
-    "speculative": engine_lacks("kvforge.engine.spec_decode", "speculative decoding"),
 }
 
 

@@ -77,6 +77,7 @@ class Settings:
     long: dict = field(default_factory=dict)  # tokens, segment, chunk_size, budget (StreamingLLM), baseline
     passkey: dict = field(default_factory=dict)  # lengths, depths, trials, policy, budget
     advise: dict = field(default_factory=dict)  # eval_tokens, requests, output_tokens, priority
+    speculative: dict = field(default_factory=dict)  # batches, prompts, max_tokens, passage_tokens (bench spec)
     combo_formats: list[str] = field(default_factory=list)
     combo_budgets: list[int] = field(default_factory=list)
 
@@ -110,6 +111,8 @@ def settings_for(options: LabOptions, context: int, text_tokens: int) -> Setting
                  [0.0, 0.25, 0.5, 0.75, 1.0], "trials": 1 if quick else 2,
                  "policy": options.lead_policy,
                  "budget": min(budgets)},
+        speculative={"batches": [1] if quick else [1, 8], "prompts": 2 if quick else 3,
+                     "max_tokens": 32 if quick else 96, "passage_tokens": min(400 if not quick else 200, context // 3)},
         advise={"eval_tokens": tokens, "requests": 2 if quick else 4, "output_tokens": 16 if quick else 32,
                 "priority": options.priority},
         combo_formats=[f for f in (("int4",) if quick else ("int8", "int4", "kivi2")) if f in options.formats]

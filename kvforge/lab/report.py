@@ -89,6 +89,15 @@ def _speed_table(res: dict) -> str:
     return _table(["format", "B/token", "seqs per budget", "capacity vs fp16", "decode tok/s", "speed vs fp32"], rows)
 
 
+def spec_rows(res: dict) -> list[list]:
+    """One row per workload x batch: plain vs ngram drafting decode speed, acceptance, same output."""
+    r = res["speculative"] or {}
+    return [[f"{workload}, batch {key[1:]}", f"{r['off'][workload][key]['decode_tok_s']:.1f}",
+             f"{row['decode_tok_s']:.1f}", f"{row['speedup']:.2f}x", f"{row['acceptance_rate']:.2f}",
+             f"{row['mean_acceptance_length']:.2f}", "yes" if row["same_output"] else "NO"]
+            for workload, by_batch in r.get("ngram", {}).items() for key, row in by_batch.items()]
+
+
 def render_html(res: dict, plots: list[Plot]) -> str:
     parts = [(f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvforge lab: {_esc(res['model'])}</title>"
              f"<style>{STYLE}</style></head><body>"),
@@ -102,9 +111,13 @@ def render_html(res: dict, plots: list[Plot]) -> str:
         parts.append("<h2>Quality and memory</h2>" + _quality_table(res))
     if res["speed"]:
         parts.append("<h2>Formats: memory and speed</h2>" + _speed_table(res))
+    if res["speculative"]:
+        parts.append("<h2>Speculative decoding (ngram drafts, greedy)</h2>" + _table(
+            ["workload", "plain tok/s", "ngram tok/s", "decode speedup", "acceptance", "mean accepted", "same output"],
+            spec_rows(res)))
     commands = sorted({r["command"] for r in res["quality"]} | {r["command"] for r in res["speed"].values()}
                       | set((res["passkey"] or {}).get("commands", []))
-                      | {x["command"] for x in (res["long"], res["advise"]) if x})
+                      | {x["command"] for x in (res["long"], res["advise"], res["speculative"]) if x})
     parts.append("<h2>Reproduce</h2><details><summary>the single command behind every figure</summary><pre>"
                  + _esc("\n".join(commands)) + "</pre></details></body></html>")
     return "\n".join(parts)
@@ -126,5 +139,9 @@ def render_summary(res: dict) -> str:
         g = res["passkey"]
         mean = [sum(map(sum, g[k])) / (len(g["lengths"]) * len(g["depths"])) for k in ("full", "with_policy")]
         lines += ["", f"passkey: mean accuracy {mean[0]:.2f} full cache, {mean[1]:.2f} {g['policy']}:{g['budget']}"]
+    for row in spec_rows(res):
+        what, plain, ngram, speedup, acceptance, _, same = row
+        lines += ["", (f"speculative decoding, {what}: decode {plain} -> {ngram} tok/s ({speedup}), "
+                      f"acceptance {acceptance}, same output: {same}")]
     lines += ["", "Figures, plots and the command behind each: results.json, report.html, plots/."]
     return "\n".join(lines) + "\n"

@@ -62,5 +62,6 @@ def build_results(run, ctx, options) -> dict[str, Any]:
                 "interrupted": run.interrupted, "pending": pending},
         "baseline": base, "quality": rows, "speed": speed, "passkey": passkey_grid(run.records),
         "long": one(run.records, "long"), "advise": one(run.records, "advise"),
+        "speculative": one(run.records, "speculative"),
         "skipped": [{"kind": c.kind, "label": c.label, "note": c.skip} for c in run.cells if c.skip],
     }

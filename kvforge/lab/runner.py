@@ -79,7 +79,7 @@ def prepare(options: LabOptions) -> tuple[LabContext, list[Cell], dict]:
                      all_ids[:settings.tokens], settings)
     key_context = {"model": model_fingerprint(loaded.path), "text": hashlib.sha256(text.encode()).hexdigest(),
                    "kvforge": kvforge_version()}
-    return ctx, plan(options, settings), key_context
+    return ctx, plan(options, settings, bool(loaded.tokenizer.chat_template)), key_context
 
 
 def run_lab(options: LabOptions) -> tuple[LabRun, LabContext]:

@@ -17,6 +17,7 @@ def write_char_tokenizer(directory) -> None:
     tok.decoder = decoders.Fuse()
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<unk>"}))
+    (directory / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
 
 
 @pytest.fixture(scope="session")

@@ -74,7 +74,13 @@ def test_format_passkey_long_and_advise_figures_equal_their_commands(quick, caps
     figures = lambda rows: {r["name"]: (r["ppl"], r["delta_pct"], r["peak_kv_bytes"]) for r in rows}
     assert figures(ref["rows"]) == figures(advise["rows"]) and ref["baseline"]["ppl"] == advise["baseline"]["ppl"]
     assert advise["choice"] in {r["name"] for r in advise["rows"]}
-    assert {s["kind"] for s in res["skipped"]} == {"tiers", "speculative"}  # hooks, noted in the report
+    assert {s["kind"] for s in res["skipped"]} == {"tiers"}  # a hook, noted in the report
+    spec, ref = res["speculative"], single_command(res["speculative"]["command"], capsys)
+    for workload, by_batch in ref["ngram"].items():
+        for key, row in by_batch.items():
+            mine = spec["ngram"][workload][key]
+            assert row["same_output"] and mine["same_output"] and row["output_tokens"] == mine["output_tokens"]
+            assert row["acceptance_rate"] == mine["acceptance_rate"]  # greedy: the same drafts are accepted
 
 
 class Images(HTMLParser):
@@ -109,6 +115,8 @@ def test_report_is_self_contained_and_every_plot_decodes(quick):
     out, res = quick
     images = embedded_images((out / "report.html").read_text())
     names = ["frontier", "decode_speed", "budgets", "position", "passkey", "advisor"]
+    assert "Speculative decoding" in (out / "report.html").read_text() and "speculative decoding, " in \
+        (out / "summary.md").read_text()
     assert len(images) == len(names) and all(i.size[0] > 200 and i.size[1] > 100 for i in images)
     for name in names:
         assert Image.open(out / "plots" / f"{name}.png").size[0] > 200
