@@ -164,7 +164,7 @@ def attend_latent(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scal
         out[q_index] = torch.bmm(probs, rows[..., :rank])
         if meta.stats:
             record_decode(meta.stats, seqs, probs.sum(1), meta.context_lens)
-    for i in meta.prefill_rows:
+    for i in meta.multi_rows + meta.prefill_rows:
         start, n = meta.query_start_loc[i], meta.query_lens[i]
         rows, _, mask = prefill_history(cache, meta, i, q.device)  # rows: [1, 1, ctx, rank + rope]
         rows = rows.to(q.dtype)

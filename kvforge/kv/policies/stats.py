@@ -29,6 +29,16 @@ def record_decode(stats: AttentionStats, rows: list[int], probs_sum: torch.Tenso
             stats.add(i, probs_sum[r, : context_lens[i]][None].float())
 
 
+def record_multi(stats: AttentionStats, rows: list[int], probs_sum: torch.Tensor, query_lens: list[int],
+                 context_lens: list[int]) -> None:
+    """probs_sum: [len(rows), M, padded keys] for rows of a few queries each, summed over one layer's heads."""
+    for r, i in enumerate(rows):
+        k = stats.rows.get(i, 0)
+        if k:
+            n = query_lens[i]
+            stats.add(i, probs_sum[r, n - k: n, : context_lens[i]].float())
+
+
 def record_prefill(stats: AttentionStats, row: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor,
                    scale: float) -> None:
     """q: [n, heads, d]; k: [1, kv_heads, ctx, d]; mask: [n, ctx] (True = attend)."""
