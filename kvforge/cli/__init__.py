@@ -16,7 +16,7 @@ import sys
 from kvforge.cli.formatting import apply_formatter, package_version
 from kvforge.errors import KVForgeError
 
-SUBCOMMANDS = ["chat", "generate", "serve", "memory", "advise", "eval", "bench"]
+SUBCOMMANDS = ["chat", "generate", "serve", "memory", "advise", "eval", "bench", "lab"]
 
 
 def build_parser() -> argparse.ArgumentParser:
