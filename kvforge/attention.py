@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvforge.kv.formats import LayerKV
 from kvforge.kv.policies.stats import record_decode, record_prefill
+from kvforge.ops import paged_decode
 
 DECODE_BUCKETS = 4
 
@@ -86,6 +87,10 @@ def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: floa
 
 def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rows: list[int],
             table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor) -> torch.Tensor:
+    if not meta.collect:  # KV policies read the probabilities, which only this torch path keeps
+        out = paged_decode(q[q_index], cache, table, [meta.context_lens[i] for i in rows], scale, meta.sliding_window)
+        if out is not None:
+            return out
     b, width = table.shape
     k, v = cache.gather(table.flatten())
     kv_heads, length = k.shape[1], width * meta.block_size

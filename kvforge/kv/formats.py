@@ -5,6 +5,7 @@ A format is a codec. Attention only sees fp32 rows coming out of `LayerKV.gather
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -12,6 +13,32 @@ import torch
 from kvforge.errors import ConfigError
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.options import json_object
+
+
+@dataclass(frozen=True)
+class RawSide:
+    """K or V as stored, for operators that decode blocks in place (kvforge.ops).
+
+    kind: "plain" (rows in fp32/fp16/bf16), "scaled" (codes, one fp16 scale per row and head) or
+    "uniform_token" / "uniform_channel" (packed `bits`-bit codes, parameters per `group` along head_dim
+    or per channel over a block); `parts` is the codec's layout in the order kvforge/ops/csrc/tiles.h lists.
+    """
+
+    kind: str
+    parts: list[torch.Tensor]
+    bits: int = 0
+    group: int = 0
+
+
+@dataclass(frozen=True)
+class RawKV:
+    """A layer's storage as tensors: K and V sides, plus exact fp16 rows laid over decoded blocks:
+    `stage` and `sink` are [] or [entry_of (block -> entry, -1 none), K rows, V rows]."""
+
+    k: RawSide
+    v: RawSide
+    stage: list[torch.Tensor] = field(default_factory=list)
+    sink: list[torch.Tensor] = field(default_factory=list)
 
 
 class LayerKV(ABC):
@@ -37,6 +64,10 @@ class LayerKV(ABC):
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer allocated, for exact byte accounting."""
+
+    def raw(self) -> RawKV | None:
+        """The storage as tensors for in-place decoding operators; None when this layer has no such view."""
+        return None
 
 
 class KVFormat(ABC):
@@ -92,6 +123,9 @@ class PlainLayerKV(LayerKV):
 
     def tensors(self):
         return [t for t in (self.k, self.v) if t is not None]
+
+    def raw(self):
+        return RawKV(RawSide("plain", [self.k]), RawSide("plain", [self.v])) if self.v is not None else None
 
 
 class PlainFormat(KVFormat):

@@ -1,0 +1,67 @@
+// exp(x) for x <= 0 written so that gcc vectorizes loops over it (libm's expf stays scalar without
+// -ffast-math): range reduction by ln 2, a degree-6 polynomial, and the exponent set through its bits.
+// Relative error ~2e-7 over [-87, 0]; below that the result is 0 (as expf's, for softmax purposes).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace kvforge {
+
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.f;  // 1.5 * 2**23: adding and subtracting it rounds to an integer
+  x = x < -87.f ? -87.f : x;
+  const float n = (x * kLog2e + kRound) - kRound;
+  const float f = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace kvforge
+
+#include <c10/util/Half.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+namespace kvforge {
+
+// fp16 -> fp32 (F16C where the CPU has it; c10::Half's bit arithmetic does not vectorize).
+inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+}
+
+inline void bf16_to_float(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(float));
+  }
+}
+
+// A finite float8 byte (MANT mantissa bits, exponent bias BIAS) -> fp32, branch-free so loops vectorize.
+template <int MANT, int BIAS>
+inline float fp8_to_float(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24, em = b & 0x7F;
+  const uint32_t normal = sign | ((em << (23 - MANT)) + (static_cast<uint32_t>(127 - BIAS) << 23));
+  float n, sub = static_cast<float>(em) * (1.f / static_cast<float>(1u << (BIAS + MANT - 1)));
+  std::memcpy(&n, &normal, sizeof n);
+  sub = sign ? -sub : sub;
+  return em >= (1u << MANT) ? n : sub;
+}
+
+}  // namespace kvforge
