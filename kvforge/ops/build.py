@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,7 +65,7 @@ def load_compiled() -> bool:
         load(name=f"kvforge_ops_{build_key()}", sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
              extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return True
-    except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:  # no compiler/ninja, failed build
         log.warning("kvforge ops: compiled CPU kernels unavailable (%s: %s); using the torch reference path",
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return False

@@ -1,7 +1,7 @@
 """The engine with the compiled decode operator gives the same greedy tokens as the torch path."""
 import pytest
 
-import kvforge.attention as attention
+from kvforge import attention
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.ops.build import load_compiled
