@@ -53,6 +53,75 @@ const float* load(const Side& side, const Overlay& stage, const Overlay& sink, i
   return rows;
 }
 
+// Everything one call attends over; tasks are (sequence, KV head) pairs.
+struct Problem {
+  const Side& K;
+  const Side& V;
+  const Exact& staged;
+  const Exact& sinks;
+  const float* q;
+  const int64_t* table;
+  const int64_t* lens;
+  float* out;
+  int64_t H, W, G, kvh, bs, D, Dv, window;
+  float scale;
+};
+
+// DK, DV: head dims known at compile time (0: take them from the problem), so dot products unroll.
+template <int DK, int DV>
+void run_tasks(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t D = DK ? DK : p.D, Dv = DV ? DV : p.Dv, G = p.G, bs = p.bs;
+  std::vector<float> kbuf(bs * D), vbuf(bs * Dv), qs(G * D), s(G * bs), m(G), l(G), acc(G * Dv);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t b = task / p.kvh, h = task % p.kvh, n = p.lens[b];
+    const int64_t start = p.window > 0 ? std::max<int64_t>(0, n - p.window) : 0;
+    for (int64_t i = 0; i < G * D; ++i) qs[i] = p.q[(b * p.H + h * G) * D + i] * p.scale;
+    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.end(), 0.f);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t j = start / bs; j * bs < n && j < p.W; ++j) {
+      const int64_t blk = p.table[b * p.W + j];
+      const int64_t r0 = std::max<int64_t>(start - j * bs, 0), r1 = std::min<int64_t>(n - j * bs, bs);
+      if (j + 1 < p.W && (j + 1) * bs < n) {
+        p.K.prefetch(p.table[b * p.W + j + 1], h);
+        p.V.prefetch(p.table[b * p.W + j + 1], h);
+      }
+      int64_t ldk, ldv;
+      const float* kt = load(p.K, p.staged.k, p.sinks.k, blk, h, r0, r1, kbuf.data(), &ldk);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t g = 0; g < G; ++g) s[g * bs + r] = dot(qs.data() + g * D, kt + r * ldk, D);
+      const float* vt = load(p.V, p.staged.v, p.sinks.v, blk, h, r0, r1, vbuf.data(), &ldv);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = s.data() + g * bs;
+        float* ag = acc.data() + g * Dv;
+        const float top = std::max(m[g], *std::max_element(sg + r0, sg + r1));
+        const float alpha = m[g] == top ? 1.f : exp_nonpositive(m[g] - top);
+        l[g] *= alpha;
+        for (int64_t c = 0; c < Dv; ++c) ag[c] *= alpha;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t r = r0; r < r1; ++r) {
+          sg[r] = exp_nonpositive(sg[r] - top);
+          sum += sg[r];
+        }
+        l[g] += sum;
+        for (int64_t r = r0; r < r1; ++r) {
+          const float w = sg[r];
+          const float* vr = vt + r * ldv;
+#pragma omp simd
+          for (int64_t c = 0; c < Dv; ++c) ag[c] += w * vr[c];
+        }
+        m[g] = top;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = p.out + (b * p.H + h * G + g) * Dv;
+      const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+      for (int64_t c = 0; c < Dv; ++c) o[c] = acc[g * Dv + c] * inv;
+    }
+  }
+}
+
 at::Tensor paged_decode_cpu(const at::Tensor& q_in, const at::Tensor& table_in, const at::Tensor& lens_in,
                             double scale, int64_t window, std::vector<int64_t> k_meta, std::vector<at::Tensor> k_parts,
                             std::vector<int64_t> v_meta, std::vector<at::Tensor> v_parts,
@@ -62,68 +131,22 @@ at::Tensor paged_decode_cpu(const at::Tensor& q_in, const at::Tensor& table_in, 
   const at::Tensor q = q_in.contiguous();
   const at::Tensor table = table_in.to(at::kLong).contiguous();
   const at::Tensor lens = lens_in.to(at::kLong).contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), W = table.size(1);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_parts[0].size(1), kvh = k_parts[0].size(2);
   const int64_t Dv = side_dim(v_meta, v_parts[0]);
   TORCH_CHECK(side_dim(k_meta, k_parts[0]) == D, "paged_decode: key dim differs from the query's");
   TORCH_CHECK(H % kvh == 0, "paged_decode: query heads must be a multiple of KV heads");
-  const int64_t G = H / kvh;
   const Side K(k_meta[0], k_meta[1], k_meta[2], bs, kvh, D, k_parts);
   const Side V(v_meta[0], v_meta[1], v_meta[2], bs, kvh, Dv, v_parts);
   const Exact staged(stage), sinks(sink);
   at::Tensor out = at::zeros({B, H, Dv}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-
+  const Problem p{K, V, staged, sinks, q.data_ptr<float>(), table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                  out.data_ptr<float>(), H, table.size(1), H / kvh, kvh, bs, D, Dv, window,
+                  static_cast<float>(scale)};
   at::parallel_for(0, B * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kbuf(bs * D), vbuf(bs * Dv), qs(G * D), s(G * bs), m(G), l(G), acc(G * Dv);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kvh, h = task % kvh, n = lp[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      for (int64_t i = 0; i < G * D; ++i) qs[i] = qp[(b * H + h * G) * D + i] * sc;
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = start / bs; j * bs < n && j < W; ++j) {
-        const int64_t blk = tp[b * W + j];
-        const int64_t r0 = std::max<int64_t>(start - j * bs, 0), r1 = std::min<int64_t>(n - j * bs, bs);
-        int64_t ldk, ldv;
-        const float* kt = load(K, staged.k, sinks.k, blk, h, r0, r1, kbuf.data(), &ldk);
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t r = r0; r < r1; ++r) s[g * bs + r] = dot(qs.data() + g * D, kt + r * ldk, D);
-        const float* vt = load(V, staged.v, sinks.v, blk, h, r0, r1, vbuf.data(), &ldv);
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = s.data() + g * bs;
-          float* ag = acc.data() + g * Dv;
-          const float top = std::max(m[g], *std::max_element(sg + r0, sg + r1));
-          const float alpha = m[g] == top ? 1.f : exp_nonpositive(m[g] - top);
-          l[g] *= alpha;
-          for (int64_t c = 0; c < Dv; ++c) ag[c] *= alpha;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t r = r0; r < r1; ++r) {
-            sg[r] = exp_nonpositive(sg[r] - top);
-            sum += sg[r];
-          }
-          l[g] += sum;
-          for (int64_t r = r0; r < r1; ++r) {
-            const float p = sg[r];
-            const float* vr = vt + r * ldv;
-#pragma omp simd
-            for (int64_t c = 0; c < Dv; ++c) ag[c] += p * vr[c];
-          }
-          m[g] = top;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + (b * H + h * G + g) * Dv;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t c = 0; c < Dv; ++c) o[c] = acc[g * Dv + c] * inv;
-      }
-    }
+    if (D == 64 && Dv == 64) run_tasks<64, 64>(p, begin, end);
+    else if (D == 128 && Dv == 128) run_tasks<128, 128>(p, begin, end);
+    else run_tasks<0, 0>(p, begin, end);
   });
   return out;
 }

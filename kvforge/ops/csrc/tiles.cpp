@@ -24,7 +24,11 @@ struct Unpacker {
       for (int j = 0; j < per; ++j) values[v][j] = static_cast<float>((v >> (j * BITS)) & ((1 << BITS) - 1));
   }
   void operator()(const uint8_t* src, int64_t nbytes, float* out) const {
-    for (int64_t i = 0; i < nbytes; ++i) std::memcpy(out + i * per, values[src[i]], sizeof(float) * per);
+    int64_t i = 0;
+#ifdef __AVX2__
+    if constexpr (BITS == 2 || BITS == 4) i = unpack_simd<BITS>(src, nbytes, out);
+#endif
+    for (; i < nbytes; ++i) std::memcpy(out + i * per, values[src[i]], sizeof(float) * per);
   }
 };
 
@@ -75,6 +79,32 @@ const float* Side::tile(int64_t b, int64_t h, int64_t r0, int64_t r1, float* scr
   else uniform_rows(b, h, r0, r1, scratch);
   if (n_out) outliers(b, h, r0, r1, scratch);
   return scratch;
+}
+
+namespace {
+void prefetch_range(const uint8_t* p, int64_t n) {
+  if (p == nullptr) return;
+  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i);
+}
+}  // namespace
+
+void Side::prefetch(int64_t b, int64_t h) const {
+  const int64_t rb = row_bytes();
+  for (int64_t r = 0; r < bs; ++r) prefetch_range(data + ((b * bs + r) * heads + h) * rb, rb);
+  if (kind == SCALED) prefetch_range(reinterpret_cast<const uint8_t*>(row_scale + b * bs * heads), bs * heads * 2);
+  if (kind == UNIFORM_TOKEN) {
+    const int64_t n = bs * heads * (dim / group), at = b * n;
+    prefetch_range(scale + at * (scale_coded ? 1 : 2), n * (scale_coded ? 1 : 2));
+    prefetch_range(zero + at * 2, n * 2);
+  } else if (kind == UNIFORM_CHANNEL) {
+    const int64_t at = (b * heads + h) * dim;
+    prefetch_range(scale + at * (scale_coded ? 1 : 2), dim * (scale_coded ? 1 : 2));
+    prefetch_range(zero + at * (zero_coded ? 1 : 2), dim * (zero_coded ? 1 : 2));
+  }
+  if (n_out) {
+    prefetch_range(out_index + b * n_out * (index32 ? 4 : 2), n_out * (index32 ? 4 : 2));
+    prefetch_range(reinterpret_cast<const uint8_t*>(out_value + b * n_out), n_out * 2);
+  }
 }
 
 void Side::scaled_rows(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
@@ -148,6 +178,7 @@ void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) co
   for (int64_t r = 0; r < bs; ++r)
     for (int64_t hh = 0; hh < heads; ++hh) row_of[r * heads + hh] = hh == h && r >= r0 && r < r1 ? r : -1;
   const uint32_t d = static_cast<uint32_t>(dim);
+  float spill;
   const int shift = (dim & (dim - 1)) == 0 ? __builtin_ctzll(dim) : -1;
   for (int64_t i = 0; i < n_out; ++i) {
     const int64_t at = b * n_out + i;
@@ -155,7 +186,8 @@ void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) co
                                   : reinterpret_cast<const int16_t*>(out_index)[at];
     const uint32_t rh = shift >= 0 ? flat >> shift : flat / d;
     const int32_t r = row_of[rh];
-    if (r >= 0) out[r * dim + (flat - rh * d)] = static_cast<float>(out_value[at]);
+    float* dst = r >= 0 ? out + r * dim + (flat - rh * d) : &spill;  // no branch to mispredict
+    *dst = static_cast<float>(out_value[at]);
   }
 }
 

@@ -41,9 +41,13 @@ struct Side {
        const std::vector<at::Tensor>& parts);
   // Rows [r0, r1) of head h of block b; returns a pointer to row 0 with row stride *ld.
   const float* tile(int64_t b, int64_t h, int64_t r0, int64_t r1, float* scratch, int64_t* ld) const;
+  // Asks the cache for what tile(b, h, ...) will read (blocks sit at random places in the pool).
+  void prefetch(int64_t b, int64_t h) const;
 
  private:
-  int64_t row_bytes() const { return kind == UNIFORM_TOKEN || kind == UNIFORM_CHANNEL ? dim * bits / 8 : dim; }
+  int64_t row_bytes() const {
+    return kind == UNIFORM_TOKEN || kind == UNIFORM_CHANNEL ? dim * bits / 8 : dim * at::elementSize(dtype);
+  }
   void scaled_rows(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const;
   void uniform_rows(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const;
   template <int BITS>

@@ -30,7 +30,7 @@ inline float exp_nonpositive(float x) {
 }  // namespace kvforge
 
 #include <c10/util/Half.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -63,5 +63,38 @@ inline float fp8_to_float(uint8_t b) {
   sub = sign ? -sub : sub;
   return em >= (1u << MANT) ? n : sub;
 }
+
+#ifdef __AVX2__
+// Packed 4-bit or 2-bit codes (the lowest bits first, as packing.py packs) -> floats, 16 bytes at a time;
+// returns the bytes done (a multiple of 16), the caller finishes the rest.
+inline void store_codes(__m128i codes, float* out) {  // 16 byte codes -> 16 floats
+  _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)));
+  _mm256_storeu_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))));
+}
+
+template <int BITS>
+inline int64_t unpack_simd(const uint8_t* src, int64_t nbytes, float* out) {
+  const __m128i mask = _mm_set1_epi8((1 << BITS) - 1);
+  int64_t i = 0;
+  for (; i + 16 <= nbytes; i += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    if constexpr (BITS == 4) {
+      const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+      store_codes(_mm_unpacklo_epi8(lo, hi), out + i * 2);
+      store_codes(_mm_unpackhi_epi8(lo, hi), out + i * 2 + 16);
+    } else {
+      const __m128i c0 = _mm_and_si128(v, mask), c1 = _mm_and_si128(_mm_srli_epi16(v, 2), mask);
+      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(v, 4), mask), c3 = _mm_and_si128(_mm_srli_epi16(v, 6), mask);
+      const __m128i t0 = _mm_unpacklo_epi8(c0, c1), t1 = _mm_unpackhi_epi8(c0, c1);
+      const __m128i t2 = _mm_unpacklo_epi8(c2, c3), t3 = _mm_unpackhi_epi8(c2, c3);
+      store_codes(_mm_unpacklo_epi16(t0, t2), out + i * 4);
+      store_codes(_mm_unpackhi_epi16(t0, t2), out + i * 4 + 16);
+      store_codes(_mm_unpacklo_epi16(t1, t3), out + i * 4 + 32);
+      store_codes(_mm_unpackhi_epi16(t1, t3), out + i * 4 + 48);
+    }
+  }
+  return i;
+}
+#endif
 
 }  // namespace kvforge
