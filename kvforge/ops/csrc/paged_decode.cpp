@@ -88,30 +88,46 @@ void run_tasks(const Problem& p, int64_t begin, int64_t end) {
       }
       int64_t ldk, ldv;
       const float* kt = load(p.K, p.staged.k, p.sinks.k, blk, h, r0, r1, kbuf.data(), &ldk);
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t g = 0; g < G; ++g) s[g * bs + r] = dot(qs.data() + g * D, kt + r * ldk, D);
+      for (int64_t g = 0; g < G; ++g) {
+        int64_t r = r0;
+#ifdef __AVX2__
+        if constexpr (DK > 0 && DK % 8 == 0)
+          for (; r + 8 <= r1; r += 8) dot8<DK>(qs.data() + g * D, kt + r * ldk, ldk, s.data() + g * bs + r);
+#endif
+        for (; r < r1; ++r) s[g * bs + r] = dot(qs.data() + g * D, kt + r * ldk, D);
+      }
       const float* vt = load(p.V, p.staged.v, p.sinks.v, blk, h, r0, r1, vbuf.data(), &ldv);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = s.data() + g * bs;
         float* ag = acc.data() + g * Dv;
         const float top = std::max(m[g], *std::max_element(sg + r0, sg + r1));
         const float alpha = m[g] == top ? 1.f : exp_nonpositive(m[g] - top);
-        l[g] *= alpha;
-        for (int64_t c = 0; c < Dv; ++c) ag[c] *= alpha;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t r = r0; r < r1; ++r) {
           sg[r] = exp_nonpositive(sg[r] - top);
           sum += sg[r];
         }
-        l[g] += sum;
-        for (int64_t r = r0; r < r1; ++r) {
-          const float w = sg[r];
-          const float* vr = vt + r * ldv;
-#pragma omp simd
-          for (int64_t c = 0; c < Dv; ++c) ag[c] += w * vr[c];
-        }
+        l[g] = l[g] * alpha + sum;
         m[g] = top;
+        if constexpr (DV > 0) {  // the accumulator stays in registers over the block's rows
+          float a[DV];
+          for (int c = 0; c < DV; ++c) a[c] = ag[c] * alpha;
+          for (int64_t r = r0; r < r1; ++r) {
+            const float w = sg[r];
+            const float* vr = vt + r * ldv;
+            for (int c = 0; c < DV; ++c) a[c] += w * vr[c];
+          }
+          std::copy_n(a, DV, ag);
+        } else {
+          for (int64_t c = 0; c < Dv; ++c) ag[c] *= alpha;
+          for (int64_t r = r0; r < r1; ++r) {
+            const float w = sg[r];
+            const float* vr = vt + r * ldv;
+#pragma omp simd
+            for (int64_t c = 0; c < Dv; ++c) ag[c] += w * vr[c];
+          }
+        }
       }
     }
     for (int64_t g = 0; g < G; ++g) {

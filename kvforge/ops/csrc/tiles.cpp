@@ -23,12 +23,14 @@ struct Unpacker {
     for (int v = 0; v < 256; ++v)
       for (int j = 0; j < per; ++j) values[v][j] = static_cast<float>((v >> (j * BITS)) & ((1 << BITS) - 1));
   }
-  void operator()(const uint8_t* src, int64_t nbytes, float* out) const {
+  // out[c] = code[c] * s[c] + z[c]
+  void operator()(const uint8_t* src, int64_t nbytes, float* out, const float* s, const float* z) const {
     int64_t i = 0;
 #ifdef __AVX2__
-    if constexpr (BITS == 2 || BITS == 4) i = unpack_simd<BITS>(src, nbytes, out);
+    if constexpr (BITS == 2 || BITS == 4) i = unpack_simd<BITS>(src, nbytes, out, s, z);
 #endif
-    for (; i < nbytes; ++i) std::memcpy(out + i * per, values[src[i]], sizeof(float) * per);
+    for (; i < nbytes; ++i)
+      for (int j = 0; j < per; ++j) out[i * per + j] = values[src[i]][j] * s[i * per + j] + z[i * per + j];
   }
 };
 
@@ -137,23 +139,21 @@ template <int BITS>
 void Side::uniform_rows_of(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
   static const Unpacker<BITS> unpack;
   const int64_t rb = row_bytes();
+  float s[512], z[512];  // per channel: the block's parameters (keys) or the row's groups' (values)
+  TORCH_CHECK(dim <= 512, "paged_decode: uniform codes need head_dim <= 512");
   if (kind == UNIFORM_TOKEN) {
     const int64_t groups = dim / group;
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t row = (b * bs + r) * heads + h;
-      float* o = out + r * dim;
-      unpack(data + row * rb, rb, o);
       for (int64_t j = 0; j < groups; ++j) {
         const int64_t p = row * groups + j;
-        const float s = scale_coded ? table[scale[p]] : half_at(scale, p);
-        const float z = half_at(zero, p);
-        for (int64_t c = j * group; c < (j + 1) * group; ++c) o[c] = o[c] * s + z;
+        std::fill_n(s + j * group, group, scale_coded ? table[scale[p]] : half_at(scale, p));
+        std::fill_n(z + j * group, group, half_at(zero, p));
       }
+      unpack(data + row * rb, rb, out + r * dim, s, z);
     }
     return;
   }
-  float s[512], z[512];
-  TORCH_CHECK(dim <= 512, "paged_decode: per-channel keys need head_dim <= 512");
   const int64_t p = (b * heads + h) * dim;
   float base = 0.f, step = 0.f;
   if (zero_coded) {
@@ -164,11 +164,7 @@ void Side::uniform_rows_of(int64_t b, int64_t h, int64_t r0, int64_t r1, float* 
     s[c] = scale_coded ? table[scale[p + c]] : half_at(scale, p + c);
     z[c] = zero_coded ? base + static_cast<float>(zero[p + c]) * step : half_at(zero, p + c);
   }
-  for (int64_t r = r0; r < r1; ++r) {
-    float* o = out + r * dim;
-    unpack(data + ((b * bs + r) * heads + h) * rb, rb, o);
-    for (int64_t c = 0; c < dim; ++c) o[c] = o[c] * s[c] + z[c];
-  }
+  for (int64_t r = r0; r < r1; ++r) unpack(data + ((b * bs + r) * heads + h) * rb, rb, out + r * dim, s, z);
 }
 
 void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {

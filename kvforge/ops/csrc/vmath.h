@@ -65,35 +65,60 @@ inline float fp8_to_float(uint8_t b) {
 }
 
 #ifdef __AVX2__
-// Packed 4-bit or 2-bit codes (the lowest bits first, as packing.py packs) -> floats, 16 bytes at a time;
-// returns the bytes done (a multiple of 16), the caller finishes the rest.
-inline void store_codes(__m128i codes, float* out) {  // 16 byte codes -> 16 floats
-  _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)));
-  _mm256_storeu_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))));
+// Packed 4-bit or 2-bit codes, the lowest bits first (as packing.py packs them).
+// 16 byte codes -> out[i] = code[i] * s[i] + z[i] (written once: no narrower store is read back wider)
+inline void store_codes(__m128i codes, float* out, const float* s, const float* z) {
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+  _mm256_storeu_ps(out, _mm256_fmadd_ps(lo, _mm256_loadu_ps(s), _mm256_loadu_ps(z)));
+  _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(z + 8)));
 }
 
+// Packed codes -> code * s + z per element, 16 source bytes at a time; returns the bytes done.
 template <int BITS>
-inline int64_t unpack_simd(const uint8_t* src, int64_t nbytes, float* out) {
+inline int64_t unpack_simd(const uint8_t* src, int64_t nbytes, float* out, const float* s, const float* z) {
   const __m128i mask = _mm_set1_epi8((1 << BITS) - 1);
   int64_t i = 0;
   for (; i + 16 <= nbytes; i += 16) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     if constexpr (BITS == 4) {
       const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-      store_codes(_mm_unpacklo_epi8(lo, hi), out + i * 2);
-      store_codes(_mm_unpackhi_epi8(lo, hi), out + i * 2 + 16);
+      store_codes(_mm_unpacklo_epi8(lo, hi), out + i * 2, s + i * 2, z + i * 2);
+      store_codes(_mm_unpackhi_epi8(lo, hi), out + i * 2 + 16, s + i * 2 + 16, z + i * 2 + 16);
     } else {
       const __m128i c0 = _mm_and_si128(v, mask), c1 = _mm_and_si128(_mm_srli_epi16(v, 2), mask);
       const __m128i c2 = _mm_and_si128(_mm_srli_epi16(v, 4), mask), c3 = _mm_and_si128(_mm_srli_epi16(v, 6), mask);
       const __m128i t0 = _mm_unpacklo_epi8(c0, c1), t1 = _mm_unpackhi_epi8(c0, c1);
       const __m128i t2 = _mm_unpacklo_epi8(c2, c3), t3 = _mm_unpackhi_epi8(c2, c3);
-      store_codes(_mm_unpacklo_epi16(t0, t2), out + i * 4);
-      store_codes(_mm_unpackhi_epi16(t0, t2), out + i * 4 + 16);
-      store_codes(_mm_unpacklo_epi16(t1, t3), out + i * 4 + 32);
-      store_codes(_mm_unpackhi_epi16(t1, t3), out + i * 4 + 48);
+      store_codes(_mm_unpacklo_epi16(t0, t2), out + i * 4, s + i * 4, z + i * 4);
+      store_codes(_mm_unpackhi_epi16(t0, t2), out + i * 4 + 16, s + i * 4 + 16, z + i * 4 + 16);
+      store_codes(_mm_unpacklo_epi16(t1, t3), out + i * 4 + 32, s + i * 4 + 32, z + i * 4 + 32);
+      store_codes(_mm_unpackhi_epi16(t1, t3), out + i * 4 + 48, s + i * 4 + 48, z + i * 4 + 48);
     }
   }
   return i;
+}
+#endif
+
+#ifdef __AVX2__
+// out[i] = dot(q, k + i * ld) for 8 rows, D a multiple of 8: each row's products stay in vector lanes and
+// the 8 horizontal sums are done together (one transposing reduction instead of 8).
+template <int D>
+inline void dot8(const float* q, const float* k, int64_t ld, float* out) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k + i * ld));
+    __m256 b = _mm256_setzero_ps();
+    for (int c = 8; c + 8 <= D; c += 16) {
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + i * ld + c), b);
+      if (c + 16 <= D) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + i * ld + c + 8), a);
+    }
+    acc[i] = _mm256_add_ps(a, b);
+  }
+  const __m256 a01 = _mm256_hadd_ps(acc[0], acc[1]), a23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 a45 = _mm256_hadd_ps(acc[4], acc[5]), a67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 lo = _mm256_hadd_ps(a01, a23), hi = _mm256_hadd_ps(a45, a67);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
 }
 #endif
 
