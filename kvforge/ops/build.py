@@ -54,8 +54,6 @@ def load_compiled() -> bool:
     if disabled():
         log.info("kvforge ops: KVFORGE_OPS=torch, using the torch reference path")
         return False
-    from kvforge.ops import schema  # noqa: F401  (the op's schema exists before its CPU kernel registers)
-
     try:
         from torch.utils.cpp_extension import load
 

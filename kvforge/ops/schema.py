@@ -6,7 +6,7 @@ import torch
 
 from kvforge.ops import reference
 
-LIB = torch.library.Library("kvforge", "DEF")
+LIB = torch.library.Library("kvforge", "FRAGMENT")
 LIB.define("paged_decode(Tensor q, Tensor block_table, Tensor context_lens, float scale, int window, "
            "int[] k_meta, Tensor[] k_parts, int[] v_meta, Tensor[] v_parts, Tensor[] stage, Tensor[] sink) -> Tensor")
 LIB.impl("paged_decode", reference.paged_decode, "CompositeExplicitAutograd")
