@@ -71,7 +71,7 @@ struct Problem {
 template <int DK, int DV>
 void run_tasks(const Problem& p, int64_t begin, int64_t end) {
   const int64_t D = DK ? DK : p.D, Dv = DV ? DV : p.Dv, G = p.G, bs = p.bs;
-  std::vector<float> kbuf(bs * D), vbuf(bs * Dv), qs(G * D), s(G * bs), m(G), l(G), acc(G * Dv);
+  std::vector<float> kbuf((bs + 1) * D), vbuf((bs + 1) * Dv), qs(G * D), s(G * bs), m(G), l(G), acc(G * Dv);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / p.kvh, h = task % p.kvh, n = p.lens[b];
     const int64_t start = p.window > 0 ? std::max<int64_t>(0, n - p.window) : 0;

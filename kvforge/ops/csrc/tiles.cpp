@@ -160,30 +160,35 @@ void Side::uniform_rows_of(int64_t b, int64_t h, int64_t r0, int64_t r1, float* 
     base = static_cast<float>(ends[(b * heads + h) * 2]);
     step = std::max((static_cast<float>(ends[(b * heads + h) * 2 + 1]) - base) / 255.f, MIN_ZERO_STEP);
   }
-  for (int64_t c = 0; c < dim; ++c) {
-    s[c] = scale_coded ? table[scale[p + c]] : half_at(scale, p + c);
-    z[c] = zero_coded ? base + static_cast<float>(zero[p + c]) * step : half_at(zero, p + c);
+  if (scale_coded) {
+    for (int64_t c = 0; c < dim; ++c) s[c] = table[scale[p + c]];
+  } else {
+    half_to_float(reinterpret_cast<const uint16_t*>(scale) + p, s, dim);
+  }
+  if (zero_coded) {
+    for (int64_t c = 0; c < dim; ++c) z[c] = base + static_cast<float>(zero[p + c]) * step;
+  } else {
+    half_to_float(reinterpret_cast<const uint16_t*>(zero) + p, z, dim);
   }
   for (int64_t r = r0; r < r1; ++r) unpack(data + ((b * bs + r) * heads + h) * rb, rb, out + r * dim, s, z);
 }
 
 void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
-  // flat index = (row * heads + head) * dim + channel; rows of other heads or outside [r0, r1) are skipped
-  int32_t row_of[1024];
+  // flat index = (row * heads + head) * dim + channel. Values of other heads' rows and of rows outside
+  // [r0, r1) land in the spill row past the tile, so the loop has no branch to mispredict.
+  int32_t offset[1024];
   TORCH_CHECK(bs * heads <= 1024, "paged_decode: outliers need block_size * kv_heads <= 1024");
   for (int64_t r = 0; r < bs; ++r)
-    for (int64_t hh = 0; hh < heads; ++hh) row_of[r * heads + hh] = hh == h && r >= r0 && r < r1 ? r : -1;
+    for (int64_t hh = 0; hh < heads; ++hh)
+      offset[r * heads + hh] = static_cast<int32_t>((hh == h && r >= r0 && r < r1 ? r : bs) * dim);
   const uint32_t d = static_cast<uint32_t>(dim);
-  float spill;
   const int shift = (dim & (dim - 1)) == 0 ? __builtin_ctzll(dim) : -1;
   for (int64_t i = 0; i < n_out; ++i) {
     const int64_t at = b * n_out + i;
     const uint32_t flat = index32 ? reinterpret_cast<const int32_t*>(out_index)[at]
                                   : reinterpret_cast<const int16_t*>(out_index)[at];
     const uint32_t rh = shift >= 0 ? flat >> shift : flat / d;
-    const int32_t r = row_of[rh];
-    float* dst = r >= 0 ? out + r * dim + (flat - rh * d) : &spill;  // no branch to mispredict
-    *dst = static_cast<float>(out_value[at]);
+    out[offset[rh] + (flat - rh * d)] = static_cast<float>(out_value[at]);
   }
 }
 

@@ -40,6 +40,7 @@ struct Side {
   Side(int64_t kind_, int64_t bits_, int64_t group_, int64_t bs_, int64_t heads_, int64_t dim_,
        const std::vector<at::Tensor>& parts);
   // Rows [r0, r1) of head h of block b; returns a pointer to row 0 with row stride *ld.
+  // scratch holds block_size + 1 rows of dim (the last one is a spill row).
   const float* tile(int64_t b, int64_t h, int64_t r0, int64_t r1, float* scratch, int64_t* ld) const;
   // Asks the cache for what tile(b, h, ...) will read (blocks sit at random places in the pool).
   void prefetch(int64_t b, int64_t h) const;
