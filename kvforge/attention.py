@@ -3,7 +3,8 @@
 Queries of one step are flattened across sequences: sequence i owns rows
 query_start_loc[i] : query_start_loc[i] + query_lens[i]. Its keys are the first
 context_lens[i] slots of the blocks in block_tables[i] (the new tokens included:
-they were written to the cache before attention runs).
+they were written to the cache before attention runs). What every layer needs alike (padded
+block tables, masks, block-id tensors) is built once per step, on the first layer's use.
 """
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvforge.kv.formats import LayerKV
-from kvforge.kv.policies.stats import record_decode, record_prefill
+from kvforge.kv.layer_format import LayerKV
+from kvforge.kv.policies.stats import AttentionStats, record_decode, record_multi, record_prefill
 from kvforge.ops import paged_decode
 
 DECODE_BUCKETS = 4
+MULTI_QUERY_MAX = 8  # rows of 2..8 queries (speculative verification, short chunks) attend batched, not one by one
 
 
 @dataclass
@@ -28,9 +30,10 @@ class AttentionMetadata:
     block_tables: list[list[int]]
     block_size: int
     sliding_window: int | None = None
-    collect: dict[int, int] | None = None  # row -> trailing queries whose attention a KV policy wants
+    stats: AttentionStats | None = None  # attention rows a KV policy asked for, filled by attend
     query_start_loc: list[int] = field(init=False)
     decode_rows: list[int] = field(init=False)  # sequences with one query token
+    multi_rows: list[int] = field(init=False)  # sequences with 2..MULTI_QUERY_MAX query tokens
     prefill_rows: list[int] = field(init=False)
 
     def __post_init__(self):
@@ -40,9 +43,11 @@ class AttentionMetadata:
             total += n
         self.query_start_loc = starts
         self.decode_rows = [i for i, n in enumerate(self.query_lens) if n == 1]
-        self.prefill_rows = [i for i, n in enumerate(self.query_lens) if n != 1]
+        self.multi_rows = [i for i, n in enumerate(self.query_lens) if 1 < n <= MULTI_QUERY_MAX]
+        self.prefill_rows = [i for i, n in enumerate(self.query_lens) if n > MULTI_QUERY_MAX]
         self._groups_cache = None
-        self.attn_sums: dict[int, torch.Tensor] = {}  # row -> [k, context_len], summed over heads and layers
+        self._multi_cache = None
+        self._prefill_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def decode_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Decode rows bucketed by length (rows, table, mask, query index), so short rows are not padded to long ones."""
@@ -66,6 +71,41 @@ class AttentionMetadata:
         q_index = torch.tensor([self.query_start_loc[i] for i in rows])
         return table.to(device), valid.to(device), q_index.to(device)
 
+    def multi_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Rows of a few queries in one padded batch: (rows, table [B, W], mask [B, M, keys], query index [B, M]).
+        Query j of a row sees its causal prefix; rows shorter than M repeat their last query (same result)."""
+        if self._multi_cache is None and self.multi_rows:
+            rows = self.multi_rows
+            width = max(len(self.block_tables[i]) for i in rows)
+            m = max(self.query_lens[i] for i in rows)
+            table = torch.zeros(len(rows), width, dtype=torch.long)
+            q_index = torch.zeros(len(rows), m, dtype=torch.long)
+            q_ctx = torch.zeros(len(rows), m, dtype=torch.long)
+            for r, i in enumerate(rows):
+                table[r, : len(self.block_tables[i])] = torch.tensor(self.block_tables[i])
+                j = torch.arange(m).clamp(max=self.query_lens[i] - 1)
+                q_index[r] = self.query_start_loc[i] + j
+                q_ctx[r] = self.context_lens[i] - self.query_lens[i] + 1 + j
+            key_pos = torch.arange(width * self.block_size)
+            valid = key_pos[None, None, :] < q_ctx[:, :, None]
+            if self.sliding_window:
+                valid &= key_pos[None, None, :] >= (q_ctx[:, :, None] - self.sliding_window)
+            self._multi_cache = [(rows, table.to(device), valid.to(device), q_index.to(device))]
+        return self._multi_cache or []
+
+    def prefill_layout(self, i: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill row i's history block ids and its [queries, context_len] causal mask (sliding window included)."""
+        if i not in self._prefill_cache:
+            n, ctx = self.query_lens[i], self.context_lens[i]
+            blocks = torch.tensor(self.block_tables[i][: -(-ctx // self.block_size)], device=device)
+            qpos = torch.arange(ctx - n, ctx, device=device)[:, None]
+            kpos = torch.arange(ctx, device=device)[None, :]
+            mask = kpos <= qpos
+            if self.sliding_window:
+                mask &= kpos > qpos - self.sliding_window
+            self._prefill_cache[i] = blocks, mask
+        return self._prefill_cache[i]
+
 
 def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, dim] -> [T, heads, v_dim] attention output over the cached history."""
@@ -76,6 +116,11 @@ def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: floa
             if out is None:
                 out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
             out[q_index] = dec
+    for rows, table, valid, q_index in meta.multi_groups(q.device):
+        dec = _decode_multi(q, cache, meta, scale, rows, table, valid, q_index)
+        if out is None:
+            out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
+        out[q_index.flatten()] = dec
     for i in meta.prefill_rows:
         start, n = meta.query_start_loc[i], meta.query_lens[i]
         res = _prefill_one(q[start : start + n], cache, meta, i, scale)
@@ -87,7 +132,7 @@ def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: floa
 
 def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rows: list[int],
             table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor) -> torch.Tensor:
-    if not meta.collect:  # KV policies read the probabilities, which only this torch path keeps
+    if not meta.stats:  # KV policies read the probabilities, which only this torch path keeps
         out = paged_decode(q[q_index], cache, table, [meta.context_lens[i] for i in rows], scale, meta.sliding_window)
         if out is not None:
             return out
@@ -102,26 +147,45 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
         scores = torch.bmm(qd[:, h], k[:, :, h].transpose(1, 2)) * scale
         probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
         out.append(torch.bmm(probs, v[:, :, h]))
-        if meta.collect:
+        if meta.stats:
             acc = probs.sum(1) if acc is None else acc + probs.sum(1)
     if acc is not None:
-        record_decode(meta, rows, acc)
+        record_decode(meta.stats, rows, acc, meta.context_lens)
     return torch.stack(out, 1).reshape(b, -1, v.shape[-1])
+
+
+def _decode_multi(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rows: list[int],
+                  table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor) -> torch.Tensor:
+    """As _decode, with M queries per row: [B * M, heads, v_dim] in q_index order."""
+    b, width = table.shape
+    m = q_index.shape[1]
+    k, v = cache.gather(table.flatten())
+    kv_heads, length = k.shape[1], width * meta.block_size
+    k, v = k.view(b, length, kv_heads, -1), v.view(b, length, kv_heads, -1)
+    group = q.shape[1] // kv_heads
+    qd = q[q_index.flatten()].view(b, m, kv_heads, group, q.shape[-1])
+    mask = ~valid.repeat_interleave(group, dim=1)  # [B, M * group, keys]
+    out, acc = [], None
+    for h in range(kv_heads):
+        scores = torch.bmm(qd[:, :, h].reshape(b, m * group, -1), k[:, :, h].transpose(1, 2)) * scale
+        probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
+        out.append(torch.bmm(probs, v[:, :, h]).view(b, m, group, -1))
+        if meta.stats:
+            part = probs.view(b, m, group, -1).sum(2)
+            acc = part if acc is None else acc + part
+    if acc is not None:
+        record_multi(meta.stats, rows, acc, meta.query_lens, meta.context_lens)
+    return torch.stack(out, 2).reshape(b * m, q.shape[1], -1)
 
 
 def prefill_history(cache: LayerKV, meta: AttentionMetadata, i: int,
                     device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Sequence i's cached K and V (V None for MLA) as [1, kv_heads, context_len, dim], and its
     [queries, context_len] causal mask (sliding window included)."""
-    n, ctx = meta.query_lens[i], meta.context_lens[i]
-    blocks = torch.tensor(meta.block_tables[i][: -(-ctx // meta.block_size)], device=device)
+    ctx = meta.context_lens[i]
+    blocks, mask = meta.prefill_layout(i, device)
     k, v = cache.gather(blocks)
     k, v = (x[:ctx].transpose(0, 1)[None] if x is not None else None for x in (k, v))
-    qpos = torch.arange(ctx - n, ctx, device=device)[:, None]
-    kpos = torch.arange(ctx, device=device)[None, :]
-    mask = kpos <= qpos
-    if meta.sliding_window:
-        mask &= kpos > qpos - meta.sliding_window
     return k, v, mask
 
 
@@ -130,6 +194,6 @@ def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: in
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )
-    if meta.collect:
-        record_prefill(meta, i, q, k, mask, scale)
+    if meta.stats:
+        record_prefill(meta.stats, i, q, k, mask, scale)
     return out[0].transpose(0, 1)

@@ -25,6 +25,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_policy: str | None = None  # full | window | streaming | h2o | scissorhands | snapkv; None = full (window for sliding-window models)
     kv_policy_options: dict | None = None  # e.g. {"budget": 1024, "sinks": 4}; budget < 1.0 = fraction of the length
+    speculative: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 5}; None = off
     device: str | None = None  # None = cuda when available, else cpu
     seed: int = 0
 
@@ -49,6 +50,9 @@ class EngineConfig:
                               f"({self.max_num_batched_tokens} < {self.max_model_len})")
         if self.model is not None:
             self.model = os.fspath(self.model)
+        from kvforge.engine.spec.config import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative)  # refuse bad options at configuration time
 
     def resolve_device(self):
         import torch

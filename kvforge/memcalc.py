@@ -108,7 +108,7 @@ def _mha_per_token_bytes(cfg: ModelConfig, fmt: KVFormat, block_size: int) -> fl
         fmt.validate(spec, block_size)
         return bytes_per_token(spec, fmt, block_size)
     except KVForgeError:  # a format that cannot hold the MHA shape: compare at the element level
-        own = KVCacheSpec.from_model_config(cfg)
+        own = cfg.kv_cache_spec()
         return bytes_per_token(own, fmt, block_size) * spec.elements_per_token / own.elements_per_token
 
 
@@ -166,7 +166,7 @@ def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch:
     for name, value in (("seq_len", seq_len), ("batch", batch), ("block_size", block_size)):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
-    spec, fmt = KVCacheSpec.from_model_config(cfg), get_format(kv_dtype)
+    spec, fmt = cfg.kv_cache_spec(), get_format(kv_dtype)
     fmt.validate(spec, block_size)
     per_token = bytes_per_token(spec, fmt, block_size)
     side = side_bytes(spec, fmt, block_size, 1)

@@ -9,7 +9,6 @@ from kvforge.cli import main
 from kvforge.errors import ConfigError, KVForgeError, ModelLoadError
 from kvforge.kv.formats import KVFormat, get_format
 from kvforge.kv.memory import budget_for, bytes_for_sequence, bytes_per_token, num_blocks_for_budget, side_bytes
-from kvforge.kv.spec import KVCacheSpec
 from kvforge.memcalc import ResolvedModel, memory_report, parameter_count, parse_size, resolve_model, weight_bytes
 from kvforge.models.config import ModelConfig
 from kvforge.presets import PRESETS, get_preset
@@ -60,7 +59,7 @@ def test_seq_len_defaults_to_model_context():
 
 def test_what_fits_counts_side_buffers_like_the_engine():
     r = memory_report("llama-3-8b", seq_len=4096, batch=8, kv_dtype="kivi2", memory=16 * GiB, weights=0)
-    spec, fmt = KVCacheSpec.from_model_config(get_preset("llama-3-8b")), get_format("kivi2")
+    spec, fmt = get_preset("llama-3-8b").kv_cache_spec(), get_format("kivi2")
     assert r.side_bytes_per_sequence > 0
     assert budget_for(spec, fmt, 16, 4096, r.fits.max_batch) <= 16 * GiB < budget_for(spec, fmt, 16, 4096, r.fits.max_batch + 1)
     assert r.fits.num_blocks == num_blocks_for_budget(spec, fmt, 16, 16 * GiB, 8)
@@ -69,7 +68,7 @@ def test_what_fits_counts_side_buffers_like_the_engine():
 def test_figures_come_from_the_one_formula():
     for name in ("llama-3-8b", "deepseek-v3"):
         cfg = get_preset(name)
-        spec = KVCacheSpec.from_model_config(cfg)
+        spec = cfg.kv_cache_spec()
         for dtype in sorted(KVFormat.registry):
             fmt = get_format(dtype)
             try:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvforge.errors import ConfigError
-from kvforge.kv.formats import KVFormat
+from kvforge.kv.formats import KVFormat, format_names
 
 PRIORITIES = ("quality", "balanced", "efficiency")
 # perplexity increase (%) each priority accepts unless --max-quality-loss says otherwise
@@ -67,4 +67,4 @@ class AdviseInputs:
 
 def check_format(name: str) -> None:
     if name not in KVFormat.registry:
-        raise ConfigError(f"unknown KV format {name!r}; allowed: {', '.join(KVFormat.registry)}")
+        raise ConfigError(f"unknown KV format {name!r}; allowed: {', '.join(format_names())}")

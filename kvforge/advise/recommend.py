@@ -8,7 +8,6 @@ from typing import Any
 
 from kvforge.kv.formats import get_format
 from kvforge.kv.memory import blocks_for_tokens, bytes_for_sequence, bytes_per_token
-from kvforge.kv.spec import KVCacheSpec
 from kvforge.memcalc import ResolvedModel, what_fits
 
 
@@ -92,7 +91,7 @@ class MemoryConsequence:
 
 def memory_line(m: ResolvedModel, label: str, kv_dtype: str, tokens: int, block_size: int,
                 memory: int | None, weights: int) -> MemoryLine:
-    spec, fmt = KVCacheSpec.from_model_config(m.config), get_format(kv_dtype)
+    spec, fmt = m.config.kv_cache_spec(), get_format(kv_dtype)
     line = MemoryLine(label, kv_dtype, bytes_per_token(spec, fmt, block_size), tokens,
                       bytes_for_sequence(spec, fmt, tokens, block_size))
     if memory is not None:
@@ -104,12 +103,12 @@ def fits(m: ResolvedModel, kv_dtype: str, tokens: int, batch: int, block_size: i
          weights: int) -> bool:
     if memory is None:
         return True
-    spec, fmt = KVCacheSpec.from_model_config(m.config), get_format(kv_dtype)
+    spec, fmt = m.config.kv_cache_spec(), get_format(kv_dtype)
     blocks = what_fits(spec, fmt, block_size, memory, weights, tokens, batch).num_blocks
     return blocks >= batch * blocks_for_tokens(tokens, block_size)
 
 
 def tokens_that_fit(m: ResolvedModel, kv_dtype: str, batch: int, block_size: int, memory: int, weights: int) -> int:
     """Cached tokens per sequence when `batch` sequences share what is left of memory."""
-    spec, fmt = KVCacheSpec.from_model_config(m.config), get_format(kv_dtype)
+    spec, fmt = m.config.kv_cache_spec(), get_format(kv_dtype)
     return what_fits(spec, fmt, block_size, memory, weights, block_size, batch).max_seq_len

@@ -10,7 +10,6 @@ from kvforge.advise.recommend import MemoryConsequence, Recommendation, fits, me
 from kvforge.errors import ConfigError, KVForgeError
 from kvforge.kv.formats import get_format
 from kvforge.kv.policies.base import KVPolicy
-from kvforge.kv.spec import KVCacheSpec
 from kvforge.memcalc import ResolvedModel, memory_report, resolve_model, weight_bytes
 
 LONG_CONTEXT = 32 * 1024
@@ -71,7 +70,7 @@ def _weights(m: ResolvedModel, inputs: AdviseInputs) -> int:
 
 def _usable(m: ResolvedModel, name: str, block_size: int) -> bool:
     try:
-        get_format(name).validate(KVCacheSpec.from_model_config(m.config), block_size)
+        get_format(name).validate(m.config.kv_cache_spec(), block_size)
         return True
     except KVForgeError:
         return False

@@ -15,9 +15,8 @@ import torch
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.sequence import SequenceStatus
-from kvforge.kv.formats import KVFormat, get_format, parse_format_spec
+from kvforge.kv.formats import format_names, get_format, parse_format_spec
 from kvforge.kv.memory import budget_for, bytes_per_token, sequences_that_fit, side_bytes
-from kvforge.kv.spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
 
 
@@ -47,7 +46,7 @@ def fill_synthetic(engine: LLMEngine, context: int, batch: int, seed: int = 0) -
 def decode_engine(loaded, dtype: str, context: int, batch: int, tokens: int, block_size: int,
                   options: dict | None = None) -> LLMEngine:
     """An engine with `batch` sequences at `context` tokens in the cache, room for `tokens` more each."""
-    spec = KVCacheSpec.from_model_config(loaded.config)
+    spec = loaded.config.kv_cache_spec()
     budget = budget_for(spec, get_format(dtype, **(options or {})), block_size, context + tokens + 8, batch, 1)
     engine = LLMEngine(EngineConfig(kv_cache_dtype=dtype, kv_cache_options=options, block_size=block_size,
                                     max_num_seqs=batch, kv_cache_memory=budget, max_model_len=context + tokens + 8,
@@ -95,8 +94,8 @@ def perplexities(loaded, specs: dict[str, tuple[str, dict]], ids: list[int]) -> 
 def kv_formats_bench(loaded, formats: list[str] | None = None, budget: int = 1 << 30, seq_len: int = 2048,
                      batch: int = 4, steps: int = 16, block_size: int = 16, quality_ids: list[int] | None = None,
                      rounds: int = 5) -> dict:
-    spec = KVCacheSpec.from_model_config(loaded.config)
-    specs = {text: parse_format_spec(text) for text in (formats or list(KVFormat.registry))}
+    spec = loaded.config.kv_cache_spec()
+    specs = {text: parse_format_spec(text) for text in (formats or format_names())}
     base16 = sequences_that_fit(spec, get_format("fp16"), block_size, budget, seq_len)
     tok_s, slowdown = decode_speeds(loaded, specs, seq_len, batch, steps, rounds, block_size)
     rows = {}

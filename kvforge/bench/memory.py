@@ -45,9 +45,8 @@ def memory_bench(loaded, num_requests: int = 64, prompt_len=(32, 512), output_le
     """Utilisation is bytes holding live tokens / bytes reserved, averaged over every step."""
     from kvforge.kv.formats import get_format
     from kvforge.kv.memory import bytes_per_token
-    from kvforge.kv.spec import KVCacheSpec
 
-    spec = KVCacheSpec.from_model_config(loaded.config)
+    spec = loaded.config.kv_cache_spec()
     if budget is None:  # room for four contiguous sequences
         budget = int(4 * max_model_len * bytes_per_token(spec, get_format("fp32"), 16))
     workload = random_workload(num_requests, prompt_len, output_len, loaded.config.vocab_size, seed)

@@ -57,6 +57,17 @@ def register(sub) -> None:
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=run_kv_formats)
 
+    sp = bsub.add_parser("spec", help="speculative decoding vs plain decoding on grounded and open-ended prompts")
+    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods (default: every method: ngram)")
+    sp.add_argument("--batches", type=int, nargs="*", default=[1, 8], help="concurrent sequences (default: 1 8)")
+    sp.add_argument("--prompts", type=int, default=3, help="prompts run one at a time at batch 1 (default: 3)")
+    sp.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt (default: 96)")
+    sp.add_argument("--passage-tokens", type=int, default=400, help="passage length of grounded prompts (default: 400)")
+    sp.add_argument("--model", default=None)
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--no-progress", action="store_true")
+    sp.set_defaults(func=run_spec)
+
     from kvforge.bench.serve import register_serve
     register_serve(bsub)
 
@@ -130,6 +141,26 @@ def run_prefix(args) -> int:
         ("peak_kv_reduction", r["peak_kv_reduction"]),
         ("multiturn.reuse_rate", r["multiturn"]["reuse_rate"]),
     ])
+    return 0
+
+
+def run_spec(args) -> int:
+    from kvforge.bench.spec import spec_bench
+    from kvforge.models.loader import load_model
+
+    r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
+                   args.passage_tokens, not args.no_progress)
+    rows = []
+    for name in (k for k, v in r.items() if isinstance(v, dict) and k != "off"):
+        for workload, by_batch in r[name].items():
+            for key, row in by_batch.items():
+                off = r["off"][workload][key]["decode_tok_s"]
+                text = (f'decode {off:.1f} -> {row["decode_tok_s"]:.1f} tok/s, speedup {row["speedup"]:.2f} '
+                        f'(end to end {row["e2e_speedup"]:.2f}), acceptance '
+                        f'{row["acceptance_rate"]:.2f}, mean length {row["mean_acceptance_length"]:.2f}, '
+                        f'same output {row["same_output"]}')
+                rows.append((f"{name}.{workload}.{key}", text))
+    _emit(r, args.json, rows)
     return 0
 
 

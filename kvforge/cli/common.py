@@ -19,6 +19,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix sharing off")
     g.add_argument("--device", default=None)
+    g.add_argument("--speculative", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' (default: off)')
     add_policy_options(g)
 
 
@@ -68,5 +70,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "device": args.device,
+        "speculative": json_object("--speculative", args.speculative, '{"method": "ngram"}') or None,
         **policy_kwargs(args),
     }

@@ -46,6 +46,7 @@ def run(args) -> int:
         "generated_tokens": out.metrics.generated_tokens,
         "ttft_s": out.metrics.ttft,
         "finish_reason": out.finish_reason,
+        **{k: v for k, v in s.items() if k.startswith("spec_")},
     }
     if args.json:
         json.dump({"text": out.text, "token_ids": out.token_ids, "stats": stats}, sys.stdout, indent=2)

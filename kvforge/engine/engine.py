@@ -9,15 +9,16 @@ import torch
 from kvforge.config import EngineConfig
 from kvforge.engine.host_memory import keep_freed_memory
 from kvforge.engine.runner import ModelRunner
-from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
+from kvforge.engine.spec import SpeculativeConfig, SpeculativeDecoder
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
 from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
 from kvforge.kv.policies import Evictor, build_policy
-from kvforge.kv.spec import KVCacheSpec
+from kvforge.kv.policies.stats import AttentionStats
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ class LLMEngine:
         self.model_config = cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.spec = KVCacheSpec.from_model_config(cfg)
+        self.spec = cfg.kv_cache_spec()
         self.format = get_format(config.kv_cache_dtype, **(config.kv_cache_options or {}))
         self.format.validate(self.spec, config.block_size)
         num_blocks = self._num_blocks()
@@ -51,6 +52,9 @@ class LLMEngine:
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.rope_by_cache_index and self.policy.evicts else self.max_model_len
+        if config.speculative:
+            self.runner.speculator = SpeculativeDecoder(SpeculativeConfig.parse(config.speculative), self.length_limit,
+                                                        self.runner.evictor)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
@@ -85,6 +89,10 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                 "so the prompt must be shorter than that to leave room for at least one generated token")
+        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; with enable_chunked_prefill=False a prompt runs in one step, so it may "
+                f"have at most max_num_batched_tokens={self.config.max_num_batched_tokens} tokens")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -129,6 +137,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; returns outputs of requests that produced a token or finished."""
+        if self.runner.speculator:
+            self.runner.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -136,29 +146,55 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        sampled = self.runner.execute(batch)
-        bs = self.kv.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens // bs > (seq.num_computed_tokens - n) // bs:
-                self.kv.cache_computed_blocks(seq)
-        outputs = []
+        result = self.runner.execute(batch)
         now = time.monotonic()
-        for seq in batch.seqs:
-            if seq.request_id not in sampled:
-                continue
-            seq.token_ids.append(sampled[seq.request_id])
-            self.generated_tokens += 1
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            seq.metrics.generated_tokens = seq.num_output_tokens
-            reason = check_stop(seq, self.tokenizer, self.length_limit, self.model_config.eos_token_ids)
-            if reason:
-                seq.finish_reason = reason
-                seq.metrics.finished_time = now
+        emitting = [seq for seq in batch.seqs if seq.request_id in result.tokens]
+        rejected = {seq.request_id: self._append(seq, result, now) for seq in emitting}
+        self.commit(batch, result.stats, rejected)
+        outputs = []
+        for seq in emitting:
+            if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(seq))
         return outputs
+
+    def _append(self, seq: Sequence, result, now: float) -> int:
+        """Append seq's emitted tokens up to the first stop; returns how many of its drafts were not kept."""
+        tokens, logprobs = result.tokens[seq.request_id], result.logprobs.get(seq.request_id)
+        kept = 0
+        for j, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            kept += 1
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[j])
+            self.generated_tokens += 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            reason = check_stop(seq, self.tokenizer, self.length_limit, self.model_config.eos_token_ids)
+            if reason:
+                seq.finish_reason = reason
+                seq.metrics.finished_time = now
+                break
+        seq.metrics.generated_tokens = seq.num_output_tokens
+        return len(seq.draft_token_ids) - (kept - 1)
+
+    def commit(self, batch: ScheduledBatch, stats: AttentionStats | None = None,
+               rejected: dict[str, int] | None = None) -> None:
+        """A forward pass succeeded: its tokens count as computed (rejected drafts rolled back), full blocks
+        become shareable, the KV policy runs."""
+        rejected = {rid: r for rid, r in (rejected or {}).items() if r}
+        before = [seq.num_computed_tokens for seq in batch.seqs]
+        self.scheduler.update_from_output(batch, rejected)
+        for seq in batch.seqs:
+            if seq.request_id in rejected:
+                self.kv.rollback(seq)
+        bs = self.kv.block_size
+        for seq, prev in zip(batch.seqs, before):
+            if seq.num_computed_tokens // bs > prev // bs:
+                self.kv.cache_full_blocks(seq)
+        if self.runner.evictor:
+            self.runner.evictor.after_step(batch.seqs, stats, rejected)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         out_ids = seq.output_token_ids
@@ -184,6 +220,8 @@ class LLMEngine:
         })
         if self.runner.evictor:
             s.update(self.runner.evictor.stats())
+        if self.runner.speculator:
+            s.update(self.runner.speculator.stats())
         return s
 
 

@@ -1,5 +1,7 @@
-"""ModelRunner: turns a scheduled batch into tensors, runs the model, samples."""
+"""ModelRunner: turns a scheduled batch into tensors, runs the model, samples. It changes no request state."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -7,68 +9,89 @@ from kvforge.attention import AttentionMetadata
 from kvforge.engine.sampler import sample, top_logprobs
 from kvforge.engine.scheduler import ScheduledBatch
 from kvforge.kv.manager import KVCacheManager
+from kvforge.kv.policies.stats import AttentionStats
+
+
+@dataclass
+class StepResult:
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> tokens it emits (more with speculation)
+    logprobs: dict[str, list[dict]] = field(default_factory=dict)  # request id -> top logprobs of each of them
+    stats: AttentionStats | None = None  # attention a KV policy asked for
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, device: torch.device, sliding_window: int | None = None,
-                 decode=None):
+                 detokenize=None):
         self.model, self.kv, self.device = model, kv, device
         self.sliding_window = sliding_window
-        self.decode = decode
+        self.detokenize = detokenize
         self.forward_tokens = 0  # tokens pushed through the model, for FLOP accounting
         self.sampled_tokens = 0
         self.attended_keys = 0  # sum over query tokens of the keys each attended to
         self.evictor = None  # kvforge.kv.policies.Evictor when a KV policy evicts
+        self.speculator = None  # kvforge.engine.spec.SpeculativeDecoder when speculative decoding is on
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
-        input_ids, positions, slots, ctx_lens, sample_rows = [], [], [], [], []
+        input_ids, positions, slots, ctx_lens, tables, sample_rows = [], [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            cache_start = seq.cache_len  # == start unless a KV policy evicted tokens
-            input_ids.extend(seq.token_ids[start:end])
+            cache_start = self.kv.cache_len(seq)  # == start unless a KV policy evicted tokens
+            tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
+            input_ids.extend(tokens[start:end])
             positions.extend(self.evictor.positions(seq, n) if self.evictor else range(start, end))
             slots.extend(self.kv.slots(seq, cache_start, cache_start + n))
             ctx_lens.append(cache_start + n)
-            if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+            tables.append(self.kv.block_table(seq))
+            if end == len(tokens):  # the last row, and one per draft before it, predict new tokens
+                sample_rows.extend(range(len(input_ids) - 1 - len(seq.draft_token_ids), len(input_ids)))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             query_lens=list(batch.num_new_tokens),
             context_lens=ctx_lens,
-            block_tables=[seq.block_table for seq in batch.seqs],
+            block_tables=tables,
             block_size=self.kv.block_size,
             sliding_window=self.sliding_window,
-            collect=self.evictor.collect(batch.seqs, batch.num_new_tokens) if self.evictor else None,
+            stats=self.evictor.stats_request(batch.seqs, batch.num_new_tokens) if self.evictor else None,
         )
         return torch.tensor(input_ids, dtype=torch.long, device=dev), meta, sample_rows
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Push the batch's new tokens through the model (their K/V enter the cache, the KV policy runs);
-        hidden states [T, hidden] and the rows of sequences that reached their last token."""
+    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], AttentionStats | None]:
+        """Push the batch's new tokens through the model (their K/V enter the cache): hidden states
+        [T, hidden], the rows of sequences that reached their last token, and the attention a KV policy asked for."""
         input_ids, meta, sample_rows = self.build_metadata(batch)
         hidden = self.model(input_ids, meta, self.kv.pool)
         self.forward_tokens += input_ids.shape[0]
         self.attended_keys += sum(n * c - n * (n - 1) // 2 for n, c in zip(meta.query_lens, meta.context_lens))
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        if self.evictor:
-            self.evictor.after_forward(batch.seqs, meta)
-        return hidden, sample_rows
+        return hidden, sample_rows, meta.stats
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
-        """Run one step; returns the sampled token of each sequence that reached its last token."""
-        hidden, sample_rows = self.forward(batch)
-        sampled_seqs = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Run one step: the sampled token (and top logprobs, when asked) of each sequence that reaches its last token."""
+        hidden, sample_rows, stats = self.forward(batch)
+        result = StepResult(stats=stats)
+        sampled_seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
+                        if s.num_computed_tokens + n == s.num_tokens + len(s.draft_token_ids)]
         if not sampled_seqs:
-            return {}
+            return result
         logits = self.model.compute_logits(hidden[sample_rows]).float()
-        tokens = sample(logits, sampled_seqs)
-        self.sampled_tokens += len(tokens)
-        for row, (seq, tok) in enumerate(zip(sampled_seqs, tokens)):
+        rows, first = [], 0
+        for seq in sampled_seqs:
+            rows.append(range(first, first + 1 + len(seq.draft_token_ids)))
+            first += 1 + len(seq.draft_token_ids)
+        plain = [i for i, seq in enumerate(sampled_seqs) if not seq.draft_token_ids]
+        plain_tokens = sample(logits[[rows[i][0] for i in plain]], [sampled_seqs[i] for i in plain]) if plain else []
+        emitted = dict(zip(plain, ([t] for t in plain_tokens)))
+        for i, seq in enumerate(sampled_seqs):
+            if seq.draft_token_ids:
+                emitted[i] = self.speculator.verify(seq, logits[rows[i].start: rows[i].stop])
+        for i, seq in enumerate(sampled_seqs):
+            toks = emitted[i]
+            self.sampled_tokens += len(toks)
+            result.tokens[seq.request_id] = toks
             if seq.params.logprobs is not None:
-                seq.logprobs.append(top_logprobs(logits[row], tok, seq.params.logprobs, self.decode))
-        return {seq.request_id: tok for seq, tok in zip(sampled_seqs, tokens)}
+                result.logprobs[seq.request_id] = [top_logprobs(logits[rows[i][j]], t, seq.params.logprobs, self.detokenize)
+                                                   for j, t in enumerate(toks)]
+        return result

@@ -16,6 +16,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 
 def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:
+    return int(torch.multinomial(_probs(logits, seq).cpu(), 1, generator=seq.generator).item())
+
+
+def target_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The distribution seq samples from at each row of logits [N, vocab] (temperature, top-k, top-p applied)."""
+    probs = torch.stack([_probs(row, seq) for row in logits]).cpu()
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     p = seq.params
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
@@ -27,7 +37,7 @@ def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:
         drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs.cpu(), 1, generator=seq.generator).item())
+    return probs
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int, decode) -> dict:

@@ -1,8 +1,9 @@
 """Scheduler: continuous batching with chunked prefill and preemption by recompute.
 
-Every sequence carries num_computed_tokens; each step gives it
-min(remaining, token budget) new tokens, so prefill chunks and decodes share one batch.
-Running sequences go first (oldest first); when blocks run out the newest running
+The scheduler owns each sequence's num_computed_tokens: it sets it at admission (prefix-cache hit),
+resets it on preemption, and advances it in `update_from_output` once a step's outputs are known.
+Each step gives a sequence min(remaining, token budget) new tokens, so prefill chunks and decodes
+share one batch. Running sequences go first (oldest first); when blocks run out the newest running
 sequence is preempted: its blocks are freed and it returns to the front of the queue.
 """
 from __future__ import annotations
@@ -68,17 +69,18 @@ class Scheduler:
         computing: set = set()  # first blocks that sequences admitted this step are computing right now
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            self.kv.match_prefix(seq)
+            seq.num_computed_tokens = self.kv.match_prefix(seq)
             head = self.kv.uncached_head(seq)
             if head is not None and head in computing:
-                break  # it would recompute a prefix another request is computing now: admit it next step
+                break  # another request computes this block now: admit next step, re-matching what it cached
             computing.add(head)
             n = self._num_new_tokens(seq, budget)
             if n == 0 or not self.kv.allocate_slots(seq, n):
-                self.kv.free(seq)
+                self._release(seq)
                 break
             self.waiting.popleft()
             self.kv.record_admission(seq)
+            seq.metrics.cached_tokens = max(seq.metrics.cached_tokens, seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -86,24 +88,39 @@ class Scheduler:
             budget -= n
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
-        if remaining > budget and not self.chunked_prefill:
+        remaining = seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens
+        # without chunked prefill a sequence runs whole, unless it is longer than any step (a long recompute)
+        if remaining > budget and not self.chunked_prefill and remaining <= self.max_num_batched_tokens:
             return 0
-        return min(remaining, budget)
+        n = min(remaining, budget)
+        del seq.draft_token_ids[max(0, n - 1):]  # drafts that do not fit this step are dropped
+        return n
+
+    def update_from_output(self, batch: ScheduledBatch, rejected: dict[str, int] | None = None) -> None:
+        """The step ran: its new tokens' K/V are in the cache, less the drafted tokens verification rejected
+        (the one place num_computed_tokens moves forward, so a rollback is one subtraction here)."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n - (rejected or {}).get(seq.request_id, 0)
+            seq.draft_token_ids = []
+
+    def _release(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self.kv.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and release its blocks."""
+    def finish(self, seq: Sequence, cache: bool = True) -> None:
+        """Remove a finished or aborted sequence and release its blocks (`cache`: full blocks stay shared)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        self.kv.free(seq, cache)
         seq.status = SequenceStatus.FINISHED

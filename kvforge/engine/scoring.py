@@ -29,7 +29,9 @@ def iter_chunk_logits(engine, token_ids: list[int], chunk_size: int | None = Non
             n = min(chunk_size, len(token_ids) - start)
             if not kv.allocate_slots(seq, n):
                 raise OutOfKVMemoryError(f"the KV cache cannot hold {start + n} tokens of this sequence")
-            hidden, _ = runner.forward(ScheduledBatch([seq], [n]))  # the KV policy runs between chunks
+            batch = ScheduledBatch([seq], [n])
+            hidden, _, stats = runner.forward(batch)
+            engine.commit(batch, stats)  # the KV policy runs between chunks
             yield start, runner.model.compute_logits(hidden).float()
     finally:
         kv.free(seq)

@@ -1,4 +1,4 @@
-"""Sequence: one request's tokens, progress through the cache, and status."""
+"""Sequence: one request's tokens, progress, sampling state and status (its KV state lives in the KVCacheManager)."""
 from __future__ import annotations
 
 import enum
@@ -25,11 +25,9 @@ class Sequence:
         self.params = params
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0  # tokens whose K/V were computed (logical progress)
-        self.num_evicted = 0  # of those, dropped from the cache by a KV policy
-        self.policy_state = None  # the KV policy's statistics for this sequence
-        self.block_table: list[int] = []
-        self.prefix_node = None  # locked prefix-tree node while running
+        self.num_computed_tokens = 0  # tokens whose K/V were computed; the scheduler owns it
+        self.draft_token_ids: list[int] = []  # speculative tokens to verify in the coming step
+        self.spec_len: int | None = None  # this sequence's current draft length (adapts to its acceptance)
         self.finish_reason: str | None = None
         self.stop_text_len: int | None = None  # text is cut here when a stop string matched
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_token_ids))
@@ -38,11 +36,6 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[dict] = []
         self.num_returned = 0  # generated tokens already reported by step()
-
-    @property
-    def cache_len(self) -> int:
-        """Slots this sequence occupies in its block table (num_computed_tokens without eviction)."""
-        return self.num_computed_tokens - self.num_evicted
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,6 @@ from kvforge.engine.scoring import iter_chunk_logits
 from kvforge.errors import PromptTooLongError
 from kvforge.kv.formats import get_format
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_token, pool_bytes
-from kvforge.kv.spec import KVCacheSpec
 from kvforge.sampling_params import SamplingParams
 
 EVAL_MAX_SEQS = 1  # formats size their fp16 staging per sequence: one sequence is what a real one gets
@@ -47,7 +46,7 @@ def perplexity(engine: LLMEngine, token_ids: list[int], chunk_size: int | None =
 def engine_for(loaded, num_tokens: int, block_size: int = 16, max_num_seqs: int = EVAL_MAX_SEQS, **options) -> LLMEngine:
     """An engine whose KV budget holds num_tokens in all (4 spare blocks per sequence) in its format,
     side buffers sized for max_num_seqs."""
-    spec = KVCacheSpec.from_model_config(loaded.config)
+    spec = loaded.config.kv_cache_spec()
     fmt = get_format(options.get("kv_cache_dtype", "fp32"), **(options.get("kv_cache_options") or {}))
     cache_tokens = min(num_tokens, loaded.config.max_position_embeddings)  # streaming runs past it in a bounded cache
     budget = pool_bytes(spec, fmt, block_size, blocks_for_tokens(cache_tokens, block_size) + 4 * max_num_seqs,

@@ -1,104 +1,15 @@
-"""KV storage formats: how a block of K/V rows is stored (encode on write, decode on read).
-
-A format is a codec. Attention only sees fp32 rows coming out of `LayerKV.gather`.
-"""
+"""KV storage formats by name: the plain dtypes here, the quantized ones from kvforge.kv.quant."""
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from kvforge.errors import ConfigError
+from kvforge.kv.layer_format import KVFormat, LayerKV, RawKV, RawSide
+from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: F401  (registered on import)
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.options import json_object
-
-
-@dataclass(frozen=True)
-class RawSide:
-    """K or V as stored, for operators that decode blocks in place (kvforge.ops).
-
-    kind: "plain" (rows in fp32/fp16/bf16), "scaled" (codes, one fp16 scale per row and head) or
-    "uniform_token" / "uniform_channel" (packed `bits`-bit codes, parameters per `group` along head_dim
-    or per channel over a block); `parts` is the codec's layout in the order kvforge/ops/csrc/tiles.h lists.
-    """
-
-    kind: str
-    parts: list[torch.Tensor]
-    bits: int = 0
-    group: int = 0
-
-
-@dataclass(frozen=True)
-class RawKV:
-    """A layer's storage as tensors: K and V sides, plus exact fp16 rows laid over decoded blocks:
-    `stage` and `sink` are [] or [entry_of (block -> entry, -1 none), K rows, V rows]."""
-
-    k: RawSide
-    v: RawSide
-    stage: list[torch.Tensor] = field(default_factory=list)
-    sink: list[torch.Tensor] = field(default_factory=list)
-
-
-class LayerKV(ABC):
-    """One layer's physical block storage in some format."""
-
-    @abstractmethod
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-              positions: torch.Tensor | None = None) -> None:
-        """Store rows k[i] (and v[i]) of shape [T, heads, dim] at flat slot ids slots[i].
-
-        positions[i] is row i's token position in its sequence (formats with exact sinks need it).
-        Each slot appears at most once per call; a block written at offset 0 is treated as new.
-        """
-
-    @abstractmethod
-    def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """fp32 K and V of the given blocks, concatenated: [len(block_ids) * block_size, heads, dim]."""
-
-    @abstractmethod
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole blocks (for copy-on-write)."""
-
-    @abstractmethod
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor this layer allocated, for exact byte accounting."""
-
-    def raw(self) -> RawKV | None:
-        """The storage as tensors for in-place decoding operators; None when this layer has no such view."""
-        return None
-
-
-class KVFormat(ABC):
-    """A storage codec. Subclasses register themselves by `name`."""
-
-    name: ClassVar[str]
-    registry: ClassVar[dict[str, type[KVFormat]]] = {}
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if getattr(cls, "name", None):
-            KVFormat.registry[cls.name] = cls
-
-    @abstractmethod
-    def layer_block_bytes(self, spec: KVCacheSpec, block_size: int) -> int:
-        """Bytes one block of one layer occupies (codes, scales and any side buffers)."""
-
-    def side_bytes(self, spec: KVCacheSpec, block_size: int, max_num_seqs: int = 1) -> int:
-        """Bytes one layer holds beyond its blocks (per-sequence staging/residual and sink buffers)."""
-        return 0
-
-    @abstractmethod
-    def allocate(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device,
-                 max_num_seqs: int = 1) -> LayerKV:
-        """Allocate one layer's storage for num_blocks blocks (side buffers sized for max_num_seqs).
-
-        Exactly num_blocks * layer_block_bytes + side_bytes(max_num_seqs) bytes in tensors().
-        """
-
-    def validate(self, spec: KVCacheSpec, block_size: int) -> None:
-        """Raise ConfigError when this format cannot store `spec` with `block_size`."""
 
 
 class PlainLayerKV(LayerKV):
@@ -116,10 +27,6 @@ class PlainLayerKV(LayerKV):
         k = self.k.index_select(0, block_ids).flatten(0, 1).float()
         v = self.v.index_select(0, block_ids).flatten(0, 1).float() if self.v is not None else None
         return k, v
-
-    def copy_blocks(self, src, dst):
-        for t in self.tensors():
-            t[dst] = t[src]
 
     def tensors(self):
         return [t for t in (self.k, self.v) if t is not None]
@@ -159,6 +66,12 @@ class BF16(PlainFormat):
     dtype = torch.bfloat16
 
 
+def format_names() -> list[str]:
+    """Every format name: the plain dtypes (widest first), then the quantized ones by name."""
+    plain = [n for n, c in KVFormat.registry.items() if issubclass(c, PlainFormat)]
+    return plain + sorted(n for n in KVFormat.registry if n not in plain)
+
+
 def get_format(name: str, **options) -> KVFormat:
     """The format called `name`, built with its options (e.g. group_size)."""
     cls = KVFormat.registry.get(name)
@@ -176,6 +89,4 @@ def parse_format_spec(text: str) -> tuple[str, dict]:
     name, _, raw = text.partition(":")
     return name, json_object(f"format {text!r}: the options after ':'", raw, 'int4:{"group_size": 32}')
 
-
-# Quantized formats register themselves on import (they subclass KVFormat, so this comes last).
-from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: F401
+__all__ = ["BF16", "FP16", "FP32", "KVFormat", "LayerKV", "PlainFormat", "PlainLayerKV", "format_names", "get_format", "parse_format_spec"]

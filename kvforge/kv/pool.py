@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kv.formats import KVFormat
+from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.spec import KVCacheSpec
 
 
@@ -16,9 +16,10 @@ class KVPool:
     def write(self, layer: int, meta, k: torch.Tensor, v: torch.Tensor | None) -> None:
         self.layers[layer].write(meta.slot_mapping, k, v, meta.positions)
 
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+    def forget_rows(self, block: int, offset: int) -> None:
+        """Rows from `offset` on in `block` hold nothing valid any more (a rollback)."""
         for layer in self.layers:
-            layer.copy_blocks(src, dst)
+            layer.forget_rows(block, offset)
 
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())

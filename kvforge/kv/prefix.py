@@ -7,8 +7,9 @@ tokens themselves. A partly filled last block is never cached.
 Tenants are isolated by salt: the root has one child per salt, and each salt's subtree is its own
 radix tree, so requests with different salts never share a block.
 
-The tree holds one allocator reference on every block it caches. Eviction drops only blocks whose
-last reference is the tree's, so every dropped block really becomes free (see `evict`).
+The tree holds one allocator reference on every block it caches. Reclaiming drops only blocks whose
+last reference is the tree's, so every dropped block really becomes free (see `reclaim`).
+("Reclaim" is the prefix cache giving blocks back; "evict" is reserved for KV policies dropping tokens.)
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class PrefixMatch:
 
 
 class PrefixTree:
-    """Token blocks -> physical block ids, with lock refs and LRU eviction of unlocked leaves."""
+    """Token blocks -> physical block ids, with lock refs; unlocked leaves are reclaimed LRU first."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int):
         if block_size < 1:
@@ -54,7 +55,7 @@ class PrefixTree:
         self._leaves: set[RadixNode] = set()
         self._clock = 0
         self.cached_blocks = 0
-        self.evicted_blocks = 0
+        self.reclaimed_blocks = 0
 
     # ---- lookup -------------------------------------------------------------------------------
 
@@ -62,7 +63,7 @@ class PrefixTree:
         """Longest cached whole-block prefix of `tokens`; splits the last edge if the match ends in it.
 
         The returned node is the handle to `lock`; with no hit it is the root, where locking is a no-op
-        for eviction.
+        for reclaiming.
         """
         node, blocks, partial = self._walk(tokens, salt, touch=True)
         if partial:
@@ -110,7 +111,7 @@ class PrefixTree:
     # ---- locking ------------------------------------------------------------------------------
 
     def lock(self, node: RadixNode) -> None:
-        """Protect `node` and its ancestors from eviction."""
+        """Protect `node` and its ancestors from being reclaimed."""
         n: RadixNode | None = node
         while n is not None:
             n.lock_ref += 1
@@ -126,17 +127,14 @@ class PrefixTree:
 
     # ---- insert -------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], block_ids: Sequence[int], salt: str | None = None) -> int:
-        """Cache the whole-block prefix of `tokens`, held in `block_ids`; returns tokens already cached.
+    def insert(self, tokens: Sequence[int], block_ids: Sequence[int], salt: str | None = None
+               ) -> tuple[int, RadixNode | None]:
+        """Cache the whole-block prefix of `tokens`, held in `block_ids`; returns (tokens already cached,
+        the node that ends at the last whole block, None if there is none).
 
         The tree takes one reference on the blocks of the new part. Where the prefix is already
         cached, the tree keeps its own blocks and takes no reference on the caller's duplicates.
         """
-        return self.insert_path(tokens, block_ids, salt)[0]
-
-    def insert_path(self, tokens: Sequence[int], block_ids: Sequence[int], salt: str | None = None
-                    ) -> tuple[int, RadixNode | None]:
-        """As `insert`, also returning the node that ends at the last whole block (None if there is none)."""
         bs = self.block_size
         nb = len(tokens) // bs
         if len(block_ids) < nb:
@@ -178,16 +176,16 @@ class PrefixTree:
         parent.children[head.tokens[:bs]] = head
         return head
 
-    # ---- eviction -----------------------------------------------------------------------------
+    # ---- reclaiming blocks -----------------------------------------------------------------------------
 
-    def evict(self, num_blocks: int) -> int:
+    def reclaim(self, num_blocks: int) -> int:
         """Free at least `num_blocks` blocks from unlocked leaves, least recently used first.
 
         A leaf gives up its trailing run of blocks that only the tree references (the edge is split
         if a block someone else holds precedes them); a leaf whose last block is held elsewhere
         stays cached, since dropping it would free nothing. So every block dropped becomes free,
         and the return value (blocks freed) equals blocks dropped. Stops early when nothing
-        evictable remains.
+        reclaimable remains.
         """
         heap = [(n.last_access, n.id, n) for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
@@ -206,7 +204,7 @@ class PrefixTree:
             freed += self._remove_leaf(node)
             if k == 0 and parent in self._leaves and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        self.evicted_blocks += freed
+        self.reclaimed_blocks += freed
         return freed
 
     def _remove_leaf(self, node: RadixNode) -> int:
@@ -223,8 +221,8 @@ class PrefixTree:
                 self._leaves.add(parent)
         return len(node.block_ids)
 
-    def evictable_blocks(self) -> int:
-        """Blocks `evict` could free now: exactly what evict(everything) would return."""
+    def reclaimable_blocks(self) -> int:
+        """Blocks `reclaim` could free now: exactly what reclaim(everything) would return."""
         rc, total = self.allocator.ref_counts, 0
         gone: dict[RadixNode, bool] = {}
         for node in self._postorder():
@@ -237,14 +235,6 @@ class PrefixTree:
             total += len(node.block_ids) - k
             gone[node] = k == 0
         return total
-
-    def reset(self) -> None:
-        """Drop every cached block (decref all); older lock handles can still be unlocked, they protect nothing."""
-        for node in self._postorder():
-            self.allocator.decref(node.block_ids)
-        self._salts.clear()
-        self._leaves.clear()
-        self.cached_blocks = 0
 
     # ---- invariants ---------------------------------------------------------------------------
 

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvforge.models.config import ModelConfig
-
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -30,11 +28,3 @@ class KVCacheSpec:
     @property
     def elements_per_token(self) -> int:
         return self.num_layers * self.elements_per_token_per_layer
-
-    @classmethod
-    def from_model_config(cls, cfg: ModelConfig) -> KVCacheSpec:
-        kv_lora_rank = cfg.extra.get("kv_lora_rank")
-        if kv_lora_rank:
-            latent = kv_lora_rank + cfg.extra["qk_rope_head_dim"]
-            return cls(cfg.num_layers, 1, latent, 0)
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)

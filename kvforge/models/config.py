@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvforge.kv.spec import KVCacheSpec
+
 
 @dataclass
 class ModelConfig:
@@ -30,6 +32,13 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What one token caches per layer: K/V rows per KV head, or MLA's latent row (c_kv + rotary key)."""
+        kv_lora_rank = self.extra.get("kv_lora_rank")
+        if kv_lora_rank:
+            return KVCacheSpec(self.num_layers, 1, kv_lora_rank + self.extra["qk_rope_head_dim"], 0)
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.head_dim)
 
     @property
     def attention_kind(self) -> str:

@@ -10,9 +10,9 @@ from torch import nn
 
 from kvforge.attention import AttentionMetadata
 from kvforge.kv.pool import KVPool
-from kvforge.mla_attention import MLAAttention, MLARotary
 from kvforge.models.config import ModelConfig
 from kvforge.models.layers import GatedMLP, RMSNorm
+from kvforge.models.mla_attention import MLAAttention, MLARotary
 from kvforge.models.moe import DeepseekMoE, is_moe_layer
 
 

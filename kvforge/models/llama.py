@@ -10,7 +10,8 @@ from torch import nn
 from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
-from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvforge.rope import apply_rope
 
 
 class Attention(nn.Module):

@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from kvforge.kv.formats import LayerKV, RawKV, RawSide
+from kvforge.kv.layer_format import LayerKV, RawKV, RawSide
 from kvforge.ops import schema  # noqa: F401  (defines torch.ops.kvforge.*)
 from kvforge.ops.build import disabled, load_compiled
 from kvforge.ops.reference import KINDS

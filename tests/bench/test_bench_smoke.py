@@ -8,7 +8,6 @@ from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.kv.formats import get_format
 from kvforge.kv.memory import sequences_that_fit
-from kvforge.kv.spec import KVCacheSpec
 
 
 def test_throughput_counts_the_same_tokens_for_both(tiny_loaded, tiny_dir):
@@ -37,7 +36,7 @@ def test_prefix_bench_reuses_the_shared_prompt(tiny_loaded):
 
 
 def test_quantized_formats_fit_more_sequences(tiny_loaded):
-    spec = KVCacheSpec.from_model_config(tiny_loaded.config)
+    spec = tiny_loaded.config.kv_cache_spec()
     fit = {d: sequences_that_fit(spec, get_format(d), 16, 8 << 20, 256) for d in ("fp32", "fp16", "int8")}
     assert fit["fp16"] == 2 * fit["fp32"] and fit["int8"] >= 1.7 * fit["fp16"]
 
@@ -55,3 +54,17 @@ def test_kv_formats_bench_sweeps_options_with_memory_quality_and_speed(tiny_load
     assert r["quality"]["tokens"] == 48 and abs(rows["fp16"]["delta_pct"]) < 0.1
     for row in rows.values():
         assert row["decode_tok_s"] > 0 and row["ppl"] > 1
+
+
+def test_spec_bench_compares_the_same_outputs(tiny_loaded):
+    from kvforge.bench.spec import spec_bench
+
+    workloads = {"grounded": lambda n: [[5, 6, 7, 8, 9] * 5 + [i] for i in range(n)],
+                 "chat": lambda n: [list(range(20 + i, 44 + i)) for i in range(n)]}
+    r = spec_bench(tiny_loaded, batches=(1, 3), prompts_b1=2, max_tokens=12, show=False, workloads=workloads)
+    for workload in workloads:
+        for key, n in (("b1", 2), ("b3", 3)):
+            on, off = r["ngram"][workload][key], r["off"][workload][key]
+            assert on["same_output"] and on["output_tokens"] == off["output_tokens"] == 12 * n
+            assert on["speedup"] == on["decode_tok_s"] / off["decode_tok_s"]
+            assert 1.0 <= on["mean_acceptance_length"] <= 1 + 5 and 0.0 <= on["acceptance_rate"] <= 1.0

@@ -1,4 +1,5 @@
-"""No block leaks: random add / step / abort / preempt workloads keep every block accounted."""
+"""No block leaks: random add / step / abort / preempt workloads (with and without speculative rollback)
+keep every block accounted."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,8 +24,10 @@ def check_accounting(engine: LLMEngine) -> None:
     alloc.check()
     assert alloc.num_used + alloc.num_free == alloc.num_blocks
     expected = [0] * alloc.num_blocks
-    for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-        for b in seq.block_table:
+    live = {seq.request_id for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting)}
+    assert set(kv.requests) <= live, "KV state kept for a request that is gone"
+    for state in kv.requests.values():
+        for b in (b for table in state.block_tables for b in table):
             expected[b] += 1
     if kv.prefix_tree is not None:
         for b in (b for node in kv.prefix_tree._postorder() for b in node.block_ids):
@@ -33,11 +36,14 @@ def check_accounting(engine: LLMEngine) -> None:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(program=ops, prefix_caching=st.booleans(), layout=st.sampled_from(["paged", "contiguous"]))
-def test_random_workloads_never_leak(tiny_loaded, program, prefix_caching, layout):
+@given(program=ops, prefix_caching=st.booleans(), layout=st.sampled_from(["paged", "contiguous"]),
+       speculative=st.booleans())
+def test_random_workloads_never_leak(tiny_loaded, program, prefix_caching, layout, speculative):
     # 24 blocks of 4 tokens: small enough that preemption happens often
     cfg = EngineConfig(kv_cache_memory=24 * 4 * 2 * 2 * 2 * 16 * 4, block_size=4, max_model_len=64, max_num_seqs=6,
-                       max_num_batched_tokens=24, enable_prefix_caching=prefix_caching, kv_layout=layout)
+                       max_num_batched_tokens=24, enable_prefix_caching=prefix_caching, kv_layout=layout,
+                       speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+                       if speculative else None)
     engine = LLMEngine(cfg, tiny_loaded)
     assert engine.kv.num_blocks == 24
     shared = list(range(5, 25))

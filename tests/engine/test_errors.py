@@ -4,6 +4,7 @@ import pytest
 from kvforge import LLM, SamplingParams
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
+from kvforge.engine.scheduler import ScheduledBatch
 from kvforge.errors import ConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from kvforge.models.loader import load_model
 
@@ -110,3 +111,32 @@ def test_directory_without_config(tmp_path):
 def test_bad_engine_options(tiny_loaded, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         LLMEngine(EngineConfig(**{"kv_cache_memory": 1 << 22, **kwargs}), tiny_loaded)
+
+
+def test_without_chunked_prefill_a_prompt_longer_than_a_step_is_refused(tiny_loaded):
+    engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=4, max_model_len=64,
+                                    max_num_batched_tokens=64, enable_chunked_prefill=False), tiny_loaded)
+    engine.config.max_num_batched_tokens = engine.scheduler.max_num_batched_tokens = 16  # a step smaller than the context
+    with pytest.raises(PromptTooLongError, match="max_num_batched_tokens=16"):
+        engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=2))
+    ok = engine.add_request(list(range(1, 16)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert finish_all(engine)[ok].finish_reason == "length"
+
+
+def test_without_chunked_prefill_a_recompute_longer_than_a_step_still_runs(tiny_loaded):
+    """A preempted sequence that grew past one step's budget is recomputed in chunks instead of waiting forever."""
+    engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=4, max_model_len=64, max_num_batched_tokens=64,
+                                    enable_chunked_prefill=False, enable_prefix_caching=False), tiny_loaded)
+    engine.scheduler.max_num_batched_tokens = 16
+    rid = engine.add_request(list(range(1, 12)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    seq = engine.requests[rid]
+    engine.scheduler.running.remove(seq)
+    engine.scheduler._preempt(seq, ScheduledBatch())  # now 21 tokens to recompute, step budget 16
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.allocator.num_used == 0

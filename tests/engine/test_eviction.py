@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scoring import position_logits
 from kvforge.errors import ConfigError, PromptTooLongError
-from kvforge.kv.policies import PolicyState, build_policy
+from kvforge.kv.policies import PolicyState, SequenceView, build_policy
 from kvforge.sampling_params import SamplingParams
 
 
@@ -32,8 +31,7 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
     vals = [torch.zeros(0, cfg.num_kv_heads, cfg.head_dim) for _ in layers]
     logical = torch.zeros(0, dtype=torch.long)  # logical position of each cached token
     state = PolicyState()
-    seq = types.SimpleNamespace(num_computed_tokens=0, num_evicted=0, prompt_token_ids=tokens, policy_state=state)
-    seq_len = lambda: seq.num_computed_tokens - seq.num_evicted
+    computed, evicted = 0, 0
     out = []
     for start in range(0, len(tokens), chunk):
         ids = torch.tensor(tokens[start: start + chunk])
@@ -41,7 +39,7 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
         logical = torch.cat([logical, torch.arange(start, start + n)])
         pos = torch.arange(c + n) if rope_by_cache else logical
         x = model.model.embed_tokens(ids)
-        rows = policy.attention_rows(types.SimpleNamespace(**{**vars(seq), "cache_len": c}), n)
+        rows = policy.attention_rows(SequenceView(c, computed, len(tokens), state), n)
         attn_sum = torch.zeros(n, c + n)
         for li, layer in enumerate(layers):
             att, h = layer.self_attn, layer.input_layernorm(x)
@@ -58,16 +56,16 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
             x = x + att.o_proj(torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         out.append(model.compute_logits(model.model.norm(x)))
-        seq.num_computed_tokens += n
+        computed += n
         if rows:
             policy.observe(state, attn_sum[-rows:] / attn_sum[-rows:].sum(-1, keepdim=True))
-        keep = policy.keep(types.SimpleNamespace(**{**vars(seq), "cache_len": seq_len()}), state)
+        keep = policy.keep(SequenceView(computed - evicted, computed, len(tokens), state))
         if keep is not None:
-            state.grow(seq_len())
+            state.grow(computed - evicted)
             state.compact(keep)
             keys, vals = [k[keep] for k in keys], [v[keep] for v in vals]
             logical = logical[keep]
-            seq.num_evicted += seq_len() - len(keep)
+            evicted += computed - evicted - len(keep)
     return torch.cat(out)
 
 
@@ -134,12 +132,13 @@ def test_snapkv_compresses_prompt_once_and_keeps_decode_tokens(tiny_loaded):
     engine.add_request(list(range(1, 81)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     engine.step()  # the whole prompt in one step, then compression
     seq = engine.scheduler.running[0]
-    assert seq.cache_len == 24 and len(seq.block_table) == 3 and seq.num_computed_tokens == 80
+    kv = engine.kv
+    assert kv.cache_len(seq) == 24 and len(kv.block_table(seq)) == 3 and seq.num_computed_tokens == 80
     while engine.has_unfinished_requests():
         engine.step()
         if engine.scheduler.running:
             seq = engine.scheduler.running[0]
-            assert seq.cache_len == seq.num_computed_tokens - 56
+            assert kv.cache_len(seq) == seq.num_computed_tokens - 56
     assert engine.stats()["kv_compactions"] == 1
 
 

@@ -192,22 +192,6 @@ def test_reused_block_drops_old_sinks_and_stage():
     assert torch.equal(gk, y.half().float()) and torch.equal(gv, y.half().float())
 
 
-@pytest.mark.parametrize("name,opts", CASES, ids=[f"{n}{o}" for n, o in CASES])
-def test_copy_blocks_copies_codes_stage_and_sinks(name, opts):
-    layer = get_format(name, **opts).allocate(SPEC, 6, BS, torch.device("cpu"), max_num_seqs=2)
-    x = torch.randn(BS + 9, 3, 64)
-    layer.write(torch.arange(BS + 9), x, x, positions=torch.arange(BS + 9))  # block 0 full, block 1 partial
-    before = layer.gather(torch.tensor([0, 1]))
-    layer.copy_blocks([0, 1], [3, 4])
-    after = layer.gather(torch.tensor([3, 4]))
-    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
-    z = torch.randn(1, 3, 64)
-    layer.write(torch.tensor([4 * BS + 9]), z, z, positions=torch.tensor([BS + 9]))  # copy-on-write diverges
-    src = layer.gather(torch.tensor([0, 1]))[0][: BS + 9]  # may have been flushed to codes meanwhile
-    assert rel(src, x) < REL[name]
-    assert rel(layer.gather(torch.tensor([4]))[0][9:10], z) < REL[name] * 2
-
-
 def test_mla_latent_without_values():
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=576, v_head_dim=0)
     for name in ("int8", "fp8_e4m3", "int4", "kivi2"):

@@ -1,33 +1,30 @@
 """Selection functions of the KV policies: which cache indices each one keeps."""
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvforge.errors import ConfigError
-from kvforge.kv.policies import PolicyState, build_policy
+from kvforge.kv.policies import PolicyState, SequenceView, build_policy
 from kvforge.kv.policies.base import top_with_recent
 
 
 def _seq(cache_len: int, computed: int | None = None, prompt_len: int = 0, state=None):
     computed = cache_len if computed is None else computed
-    return types.SimpleNamespace(cache_len=cache_len, num_computed_tokens=computed,
-                                 prompt_token_ids=[0] * prompt_len, policy_state=state)
+    return SequenceView(cache_len, computed, prompt_len, state if state is not None else PolicyState())
 
 
 def test_window_keeps_most_recent():
     p = build_policy("window", {"budget": 5, "slack": 2})
-    assert p.keep(_seq(7), PolicyState()) is None  # within budget + slack
-    assert p.keep(_seq(8), PolicyState()).tolist() == [3, 4, 5, 6, 7]
+    assert p.keep(_seq(7)) is None  # within budget + slack
+    assert p.keep(_seq(8)).tolist() == [3, 4, 5, 6, 7]
 
 
 def test_streaming_keeps_sinks_and_recent():
     p = build_policy("streaming", {"budget": 8, "sinks": 3, "slack": 0})
-    assert p.keep(_seq(12), PolicyState()).tolist() == [0, 1, 2, 7, 8, 9, 10, 11]
+    assert p.keep(_seq(12)).tolist() == [0, 1, 2, 7, 8, 9, 10, 11]
     assert build_policy("streaming", {"budget": 8, "sinks": 0, "slack": 0}).select(12, 8, PolicyState()).tolist() \
         == list(range(4, 12))
 
@@ -38,7 +35,7 @@ def test_h2o_keeps_heavy_hitters_and_recent():
     attn = torch.tensor([[0.1, 0.5, 0.0, 0.1, 0.3, 0.0, 0.0], [0.0, 0.2, 0.0, 0.6, 0.1, 0.1, 0.0]])
     p.observe(state, attn)
     assert torch.allclose(state.scores, attn.sum(0))
-    assert p.keep(_seq(7), state).tolist() == [1, 3, 5, 6]  # 1 and 3 are heavy, 5 and 6 recent
+    assert p.keep(_seq(7, state=state)).tolist() == [1, 3, 5, 6]  # 1 and 3 are heavy, 5 and 6 recent
 
 
 def test_scissorhands_counts_persistent_importance():
@@ -49,7 +46,7 @@ def test_scissorhands_counts_persistent_importance():
     assert state.history.tolist() == [[0, 1, 0, 0], [1, 1, 0, 0]]
     p.observe(state, torch.tensor([[0.5, 0.05, 0.4, 0.05]]))  # history 2: the first row falls out
     assert state.history.tolist() == [[1, 1, 0, 0], [1, 0, 1, 0]]
-    assert p.keep(_seq(4), state).tolist() == [0, 2, 3]  # 0 persisted; 1 and 2 tie, the newer wins; 3 is recent
+    assert p.keep(_seq(4, state=state)).tolist() == [0, 2, 3]  # 0 persisted; 1 and 2 tie, the newer wins; 3 is recent
 
 
 def test_snapkv_pools_votes_of_the_window_once():
@@ -62,9 +59,9 @@ def test_snapkv_pools_votes_of_the_window_once():
     votes[0, 3] = 1.0  # pooled with kernel 3: 2, 3, 4 tie at 1
     votes[1, 8] = votes[1, 9] = 0.5
     p.observe(state, votes)
-    keep = p.keep(seq, state)
+    keep = p.keep(seq)
     assert len(keep) == 4 and keep[-2:].tolist() == [8, 9] and set(keep[:2].tolist()) <= {2, 3, 4}
-    assert p.attention_rows(seq, 1) == 0 and p.keep(_seq(11, prompt_len=10, state=state), state) is None
+    assert p.attention_rows(seq, 1) == 0 and p.keep(_seq(11, prompt_len=10, state=state)) is None
 
 
 def test_fraction_budget_follows_length():

@@ -20,13 +20,13 @@ def make(num_blocks: int = 32, block_size: int = 4) -> tuple[BlockAllocator, Pre
 def test_only_whole_blocks_are_cached():
     alloc, tree = make()
     ids = alloc.allocate(3)
-    assert tree.insert(list(range(10)), ids) == 0
+    assert tree.insert(list(range(10)), ids)[0] == 0
     assert tree.cached_blocks == 2 and alloc.ref_counts[ids[2]] == 1
     assert tree.match_prefix(list(range(10))).block_ids == ids[:2]
     m = tree.match_prefix(list(range(7)))
     assert (m.block_ids, m.num_tokens) == (ids[:1], 4)
     assert tree.match_prefix([0, 1, 2]).num_tokens == 0
-    assert tree.insert([0, 1, 2], []) == 0
+    assert tree.insert([0, 1, 2], [])[0] == 0
     tree.check()
 
 
@@ -40,7 +40,7 @@ def test_split_when_match_ends_inside_an_edge():
     tree.check()
     b = a[:4] + [7, 7, 7, 7]
     other = alloc.allocate(2)
-    assert tree.insert(b, other) == 4
+    assert tree.insert(b, other)[0] == 4
     assert alloc.ref_counts[other[0]] == 1 and alloc.ref_counts[other[1]] == 2
     assert tree.match_prefix(a).block_ids == ids
     assert tree.match_prefix(b).block_ids == [ids[0], other[1]]
@@ -57,7 +57,7 @@ def test_salts_never_share():
     assert tree.match_prefix(toks, salt="bob").num_tokens == 0
     assert tree.match_prefix(toks, salt="alice").block_ids == ids
     mine = alloc.allocate(2)
-    assert tree.insert(toks, mine) == 0
+    assert tree.insert(toks, mine)[0] == 0
     assert tree.match_prefix(toks).block_ids == mine
     tree.check()
 
@@ -66,8 +66,8 @@ def test_duplicate_insert_keeps_the_trees_blocks():
     alloc, tree = make()
     toks = list(range(8))
     first, second = alloc.allocate(2), alloc.allocate(3)
-    assert tree.insert(toks, first) == 0
-    assert tree.insert(toks + [8, 9, 10, 11, 12], second) == 8
+    assert tree.insert(toks, first)[0] == 0
+    assert tree.insert(toks + [8, 9, 10, 11, 12], second)[0] == 8
     assert [alloc.ref_counts[b] for b in second] == [1, 1, 2]
     assert tree.match_prefix(toks + [8, 9, 10, 11]).block_ids == first + [second[2]]
     alloc.decref(first)
@@ -76,19 +76,19 @@ def test_duplicate_insert_keeps_the_trees_blocks():
     tree.check()
 
 
-def test_locked_nodes_are_never_evicted():
+def test_locked_nodes_are_never_reclaimed():
     alloc, tree = make()
     ids = alloc.allocate(2)
     tree.insert(list(range(8)), ids)
     alloc.decref(ids)
     m = tree.match_prefix(list(range(4)))
     tree.lock(m.node)
-    assert tree.evictable_blocks() == 1
-    assert tree.evict(10) == 1
+    assert tree.reclaimable_blocks() == 1
+    assert tree.reclaim(10) == 1
     assert tree.match_prefix(list(range(8))).block_ids == ids[:1]
     tree.unlock(m.node)
-    assert tree.evict(10) == 1
-    assert alloc.num_free == 32 and tree.cached_blocks == 0 and tree.evicted_blocks == 2
+    assert tree.reclaim(10) == 1
+    assert alloc.num_free == 32 and tree.cached_blocks == 0 and tree.reclaimed_blocks == 2
     with pytest.raises(ValueError, match="not locked"):
         tree.unlock(m.node)
     tree.check()
@@ -102,14 +102,14 @@ def test_lock_survives_a_split_of_the_locked_edge():
     m = tree.match_prefix(a)
     tree.lock(m.node)
     ib = alloc.allocate(2)
-    assert tree.insert(b, ib) == 4
+    assert tree.insert(b, ib)[0] == 4
     alloc.decref(ia + ib)
     tree.check()
-    assert tree.evictable_blocks() == 1
-    assert tree.evict(10) == 1 and tree.peek_prefix(a) == 12
+    assert tree.reclaimable_blocks() == 1
+    assert tree.reclaim(10) == 1 and tree.peek_prefix(a) == 12
     tree.unlock(m.node)
     tree.check()
-    assert tree.evict(10) == 3 and alloc.num_free == 32
+    assert tree.reclaim(10) == 3 and alloc.num_free == 32
 
 
 def test_lru_order_and_parents_become_leaves():
@@ -121,9 +121,9 @@ def test_lru_order_and_parents_become_leaves():
     tree.insert(b, ib)
     alloc.decref(ia + ib[1:])
     tree.match_prefix(a)
-    assert tree.evict(1) == 1
+    assert tree.reclaim(1) == 1
     assert tree.peek_prefix(a) == 8 and tree.peek_prefix(b) == 4
-    assert tree.evict(2) == 2
+    assert tree.reclaim(2) == 2
     assert tree.cached_blocks == 0 and alloc.num_free == 32
     tree.check()
 
@@ -135,7 +135,7 @@ def test_partial_match_touches_only_the_matched_part():
     tree.insert(b, alloc.allocate(1))
     alloc.decref(list(range(3)))
     assert tree.match_prefix([1] * 4 + [5] * 4).num_tokens == 4
-    assert tree.evict(1) == 1
+    assert tree.reclaim(1) == 1
     assert tree.peek_prefix(a) == 4 and tree.peek_prefix(b) == 4
     tree.check()
 
@@ -146,25 +146,26 @@ def test_blocks_still_held_elsewhere_stay_cached():
     ids = alloc.allocate(3)
     tree.insert(toks, ids)
     alloc.decref(ids[2:])
-    assert tree.evictable_blocks() == 1
-    assert tree.evict(3) == 1
+    assert tree.reclaimable_blocks() == 1
+    assert tree.reclaim(3) == 1
     assert tree.match_prefix(toks).block_ids == ids[:2]
-    assert tree.evict(3) == 0
+    assert tree.reclaim(3) == 0
     alloc.decref(ids[:2])
-    assert tree.evict(3) == 2 and alloc.num_free == 32
+    assert tree.reclaim(3) == 2 and alloc.num_free == 32
     tree.check()
 
 
-def test_reset_and_bad_arguments():
+def test_reclaim_everything_and_bad_arguments():
     alloc, tree = make()
     ids = alloc.allocate(2)
     tree.insert(list(range(8)), ids)
     m = tree.match_prefix(list(range(8)))
     tree.lock(m.node)
     alloc.decref(ids)
-    tree.reset()
-    assert alloc.num_free == 32 and tree.cached_blocks == 0
+    assert tree.reclaim(10**6) == 0  # locked
     tree.unlock(m.node)
+    assert tree.reclaim(10**6) == 2
+    assert alloc.num_free == 32 and tree.cached_blocks == 0
     tree.check()
     with pytest.raises(ValueError, match="block ids"):
         tree.insert(list(range(8)), [0])
@@ -220,14 +221,14 @@ class PrefixTreeMachine(RuleBasedStateMachine):
 
     def insert(self, seq: Seq) -> None:
         cached = len(self.naive(seq.tokens, seq.salt))
-        assert self.tree.insert(seq.tokens, seq.blocks, seq.salt) == cached * self.bs
+        assert self.tree.insert(seq.tokens, seq.blocks, seq.salt)[0] == cached * self.bs
         for k in range(cached + 1, len(seq.tokens) // self.bs + 1):
             self.model[(seq.salt, tuple(seq.tokens[:k * self.bs]))] = seq.blocks[k - 1]
 
     def do_evict(self, n: int) -> int:
-        before = self.tree.evictable_blocks()
-        freed = self.tree.evict(n)
-        assert freed >= min(n, before) and (freed >= n or self.tree.evictable_blocks() == 0)
+        before = self.tree.reclaimable_blocks()
+        freed = self.tree.reclaim(n)
+        assert freed >= min(n, before) and (freed >= n or self.tree.reclaimable_blocks() == 0)
         if n >= before:
             assert freed == before
         gone = [k for k in self.model if self.tree.peek_prefix(k[1], k[0]) < len(k[1])]
@@ -286,12 +287,6 @@ class PrefixTreeMachine(RuleBasedStateMachine):
     def evict(self, n: int) -> None:
         self.do_evict(n)
 
-    @precondition(lambda self: not self.seqs and not self.handles)
-    @rule()
-    def reset(self) -> None:
-        self.tree.reset()
-        self.model.clear()
-
     @invariant()
     def accounted(self) -> None:
         self.tree.check()
@@ -304,7 +299,7 @@ class PrefixTreeMachine(RuleBasedStateMachine):
         assert self.tree.cached_blocks == len(self.model)
         for salt, toks in self.model:
             assert self.tree.peek_prefix(toks, salt) == len(toks)
-        assert 0 <= self.tree.evictable_blocks() <= self.tree.cached_blocks
+        assert 0 <= self.tree.reclaimable_blocks() <= self.tree.cached_blocks
 
     def teardown(self) -> None:
         for seq in self.seqs:
@@ -314,7 +309,7 @@ class PrefixTreeMachine(RuleBasedStateMachine):
             self.tree.unlock(node)
         self.seqs, self.handles = [], []
         cached = len(self.model)
-        assert self.tree.evictable_blocks() == cached
+        assert self.tree.reclaimable_blocks() == cached
         assert self.do_evict(10**6) == cached and not self.model
         assert self.tree.cached_blocks == 0 and self.alloc.num_free == NUM_BLOCKS
         self.tree.check()

@@ -81,7 +81,7 @@ def test_deepseek_v2_mla_and_moe_fields_go_to_extra():
         assert cfg.extra[k] == v
     assert cfg.extra["n_routed_experts"] == 8 and cfg.extra["num_experts_per_tok"] == 2
     assert cfg.extra["first_k_dense_replace"] == 1 and cfg.extra["topk_method"] == "group_limited_greedy"
-    assert KVCacheSpec.from_model_config(cfg) == KVCacheSpec(2, 1, 64 + 16, 0)
+    assert cfg.kv_cache_spec() == KVCacheSpec(2, 1, 64 + 16, 0)
 
 
 def test_deepseek_v3_yarn_rope_from_rope_parameters():

@@ -2,8 +2,9 @@
 
 How they fit the engine:
 - One kept set per sequence, shared by all layers and KV heads (statistics summed over both), so a
-  sequence keeps one block table. Sequence.cache_len = slots it occupies; num_computed_tokens keeps
-  counting logical tokens; the runner writes and attends by cache index.
+  sequence keeps one block table. KVCacheManager.cache_len(seq) = slots it occupies;
+  num_computed_tokens keeps counting logical tokens; the runner writes and attends by cache index.
+  Policies see a SequenceView (cache length, tokens seen, prompt length, their own state).
 - Positions: window / h2o / scissorhands / snapkv keep keys rotated at their logical position (as in
   their papers); streaming rotates queries and new keys by cache index and re-rotates kept keys when
   they move, so its cache is bounded and a sequence may run past the model's context.
@@ -13,7 +14,7 @@ How they fit the engine:
 - Prefix sharing: a compacted block no longer holds its token prefix, so an engine with an evicting
   policy neither matches nor inserts into the prefix tree (shared blocks are never rewritten).
 """
-from kvforge.kv.policies.base import FullPolicy, KVPolicy, PolicyState, build_policy
+from kvforge.kv.policies.base import FullPolicy, KVPolicy, PolicyState, SequenceView, build_policy
 from kvforge.kv.policies.evictor import Evictor
 from kvforge.kv.policies.h2o import H2OPolicy
 from kvforge.kv.policies.scissorhands import ScissorhandsPolicy
@@ -21,5 +22,5 @@ from kvforge.kv.policies.snapkv import SnapKVPolicy
 from kvforge.kv.policies.streaming import StreamingPolicy
 from kvforge.kv.policies.window import WindowPolicy
 
-__all__ = ["Evictor", "FullPolicy", "H2OPolicy", "KVPolicy", "PolicyState", "ScissorhandsPolicy", "SnapKVPolicy",
+__all__ = ["Evictor", "FullPolicy", "H2OPolicy", "KVPolicy", "PolicyState", "ScissorhandsPolicy", "SequenceView", "SnapKVPolicy",
            "StreamingPolicy", "WindowPolicy", "build_policy"]

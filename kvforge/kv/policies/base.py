@@ -36,6 +36,16 @@ class PolicyState:
             self.history = self.history[:, keep]
 
 
+@dataclass(frozen=True)
+class SequenceView:
+    """What a policy sees of one sequence."""
+
+    cache_len: int  # rows it occupies in the cache
+    num_computed_tokens: int  # tokens it has seen (cached or evicted)
+    prompt_len: int
+    state: PolicyState
+
+
 @dataclass
 class KVPolicy:
     """Base policy: keep everything. budget: tokens kept (int) or a fraction of the tokens seen (float < 1).
@@ -73,23 +83,23 @@ class KVPolicy:
             return max(1, int(self.budget * num_tokens))
         return int(self.budget)
 
-    def attention_rows(self, seq, num_new: int) -> int:
+    def attention_rows(self, seq: SequenceView, num_new: int) -> int:
         """How many of this step's query rows (the last ones) the policy wants attention for."""
         return num_new if self.needs_attention else 0
 
     def observe(self, state: PolicyState, attn: torch.Tensor) -> None:
         """attn: [rows, cache_len] attention of this step's last rows, each row summing to 1."""
 
-    def should_compact(self, seq, state: PolicyState) -> bool:
+    def should_compact(self, seq: SequenceView) -> bool:
         if not self.evicts:
             return False
         return seq.cache_len > self.budget_for(seq.num_computed_tokens) + self.slack
 
-    def keep(self, seq, state: PolicyState) -> torch.Tensor | None:
+    def keep(self, seq: SequenceView) -> torch.Tensor | None:
         """Sorted cache indices to keep, or None to keep everything."""
-        if not self.should_compact(seq, state):
+        if not self.should_compact(seq):
             return None
-        return self.select(seq.cache_len, self.budget_for(seq.num_computed_tokens), state)
+        return self.select(seq.cache_len, self.budget_for(seq.num_computed_tokens), seq.state)
 
     def select(self, length: int, budget: int, state: PolicyState) -> torch.Tensor:
         return torch.arange(length)

@@ -4,12 +4,11 @@ from __future__ import annotations
 import torch
 
 from kvforge.kv.memory import blocks_for_tokens
+from kvforge.rope import apply_rope
 
 
 def rerotate(k: torch.Tensor, shift: torch.Tensor, rotary) -> torch.Tensor:
     """Keys rotated at position p become keys rotated at p + shift (RoPE rotations compose)."""
-    from kvforge.models.layers import apply_rope
-
     if hasattr(rotary, "rerotate"):  # MLA: only the rotary part of the latent row turns
         return rotary.rerotate(k, shift)
     cos, sin = rotary.cos_sin(shift.to(k.device))
@@ -23,7 +22,7 @@ def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
     do not move are not touched. With `rotary`, moved keys are re-rotated to their new index.
     Blocks past the kept rows go back to the allocator, so the bytes in use really drop.
     """
-    length, bs = seq.cache_len, kv.block_size
+    length, bs = kv.cache_len(seq), kv.block_size
     m = int(keep.shape[0])
     if m >= length:
         return 0
@@ -32,7 +31,7 @@ def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
     if len(moved):
         first = int(moved[0])
         device = kv.pool.layers[0].tensors()[0].device
-        table = torch.tensor(seq.block_table[: blocks_for_tokens(length, bs)], dtype=torch.long, device=device)
+        table = torch.tensor(kv.block_table(seq)[: blocks_for_tokens(length, bs)], dtype=torch.long, device=device)
         g0 = int(keep[first]) // bs
         src = (keep[first:] - g0 * bs).to(device)
         dst_pos = torch.arange(first, m)
@@ -44,8 +43,6 @@ def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
             if rotary is not None:
                 k = rerotate(k, shift, rotary)
             layer.write(dst, k, v)
-    kept_blocks = blocks_for_tokens(m, bs)
-    kv.allocator.decref(seq.block_table[kept_blocks:])
-    del seq.block_table[kept_blocks:]
-    seq.num_evicted += length - m
+    kv.truncate(seq, m)
+    kv.record_evicted(seq, length - m)
     return length - m

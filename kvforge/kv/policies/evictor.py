@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import time
 
-from kvforge.kv.policies.base import KVPolicy, PolicyState
+from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView
 from kvforge.kv.policies.compact import compact
+from kvforge.kv.policies.stats import AttentionStats
 
 
 class Evictor:
@@ -15,35 +16,51 @@ class Evictor:
         self.compactions = 0
         self.compact_seconds = 0.0
 
+    def view(self, seq) -> SequenceView:
+        return SequenceView(self.kv.cache_len(seq), seq.num_computed_tokens, len(seq.prompt_token_ids),
+                            self.kv.policy_state(seq, PolicyState))
+
+    def tokens_before_compaction(self, seq, limit: int) -> int:
+        """How many more tokens seq can compute (at most limit) before its cache must be compacted, so a
+        multi-token step (speculation) compacts exactly where token-by-token decoding would."""
+        view = self.view(seq)
+        for j in range(1, limit):
+            after = SequenceView(view.cache_len + j, view.num_computed_tokens + j, view.prompt_len, view.state)
+            if self.policy.should_compact(after):
+                return j
+        return limit
+
     def positions(self, seq, num_new: int) -> range:
         """RoPE positions of the new tokens: cache indices (streaming) or logical positions."""
-        base = seq.cache_len if self.policy.rope_by_cache_index else seq.num_computed_tokens
+        base = self.kv.cache_len(seq) if self.policy.rope_by_cache_index else seq.num_computed_tokens
         return range(base, base + num_new)
 
-    def collect(self, seqs, num_new: list[int]) -> dict[int, int] | None:
-        """meta.collect for a step: how many trailing query rows of each sequence need attention rows."""
+    def stats_request(self, seqs, num_new: list[int]) -> AttentionStats | None:
+        """What attention this step must record: how many trailing query rows of each sequence."""
         if not self.policy.needs_attention:
             return None
-        rows = {i: self.policy.attention_rows(s, n) for i, (s, n) in enumerate(zip(seqs, num_new))}
-        return {i: r for i, r in rows.items() if r} or None
+        rows = {i: self.policy.attention_rows(self.view(s), n) for i, (s, n) in enumerate(zip(seqs, num_new))}
+        rows = {i: r for i, r in rows.items() if r}
+        return AttentionStats(rows) if rows else None
 
-    def after_forward(self, seqs, meta) -> None:
-        """Feed the step's attention to each sequence's state, then compact the ones over budget."""
-        sums = getattr(meta, "attn_sums", {})
+    def after_step(self, seqs, stats: AttentionStats | None, rejected: dict[str, int] | None = None) -> None:
+        """Feed the step's attention to each sequence's state (rows and keys of rejected drafts left out),
+        then compact the ones over budget."""
         for i, seq in enumerate(seqs):
-            if seq.policy_state is None:
-                seq.policy_state = PolicyState()
-            state = seq.policy_state
-            attn = sums.get(i)
+            view = self.view(seq)
+            attn = stats.sums.get(i) if stats is not None else None
+            cut = (rejected or {}).get(seq.request_id, 0)
+            if attn is not None and cut:
+                attn = attn[: attn.shape[0] - cut, : attn.shape[1] - cut] if attn.shape[0] > cut else None
             if attn is not None:
-                self.policy.observe(state, attn / attn.sum(-1, keepdim=True))
-            keep = self.policy.keep(seq, state)
+                self.policy.observe(view.state, attn / attn.sum(-1, keepdim=True))
+            keep = self.policy.keep(view)
             if keep is None:
                 continue
             start = time.perf_counter()
-            state.grow(seq.cache_len)
+            view.state.grow(view.cache_len)
             self.evicted_tokens += compact(self.kv, seq, keep, self.rotary)
-            state.compact(keep)
+            view.state.compact(keep)
             self.compactions += 1
             self.compact_seconds += time.perf_counter() - start
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.errors import ConfigError
-from kvforge.kv.policies.base import KVPolicy, PolicyState, top_with_recent
+from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView, top_with_recent
 
 
 @dataclass
@@ -34,10 +34,9 @@ class SnapKVPolicy(KVPolicy):
             raise ConfigError("snapkv: pooling must be 'max' or 'avg', kernel an odd integer >= 1, window >= 1; "
                               f"got {self.pooling!r}, {self.kernel!r}, {self.window!r}")
 
-    def attention_rows(self, seq, num_new: int) -> int:
-        state = seq.policy_state
-        done = state is not None and (state.selected or state.pending)
-        ends_prompt = seq.num_computed_tokens + num_new >= len(seq.prompt_token_ids)
+    def attention_rows(self, seq: SequenceView, num_new: int) -> int:
+        done = seq.state.selected or seq.state.pending
+        ends_prompt = seq.num_computed_tokens + num_new >= seq.prompt_len
         return 0 if done or not ends_prompt else min(num_new, self.window)
 
     def observe(self, state: PolicyState, attn: torch.Tensor) -> None:
@@ -52,7 +51,8 @@ class SnapKVPolicy(KVPolicy):
         state.scores = pooled[0, 0]
         state.pending = True
 
-    def keep(self, seq, state: PolicyState) -> torch.Tensor | None:
+    def keep(self, seq: SequenceView) -> torch.Tensor | None:
+        state = seq.state
         if not state.pending:
             return None
         state.pending, state.selected = False, True

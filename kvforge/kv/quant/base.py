@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from kvforge.errors import ConfigError
-from kvforge.kv.formats import KVFormat
+from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.quant.codec import Codec
 from kvforge.kv.quant.layer import EXACT_DTYPE, QuantLayerKV
 from kvforge.kv.quant.scaled import ScaledCodec

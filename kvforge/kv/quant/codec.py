@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kvforge.kv.formats import RawSide
+from kvforge.kv.layer_format import RawSide
 
 Layout = list[tuple[tuple[int, ...], torch.dtype]]
 

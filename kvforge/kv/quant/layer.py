@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kv.formats import LayerKV, RawKV
+from kvforge.kv.layer_format import LayerKV, RawKV
 from kvforge.kv.quant.codec import Codec
 from kvforge.kv.quant.sidetable import SideTable
 from kvforge.kv.spec import KVCacheSpec
@@ -124,6 +124,13 @@ class QuantLayerKV(LayerKV):
             o = torch.arange(self.sinks, device=b.device).repeat(len(blocks))
             self._store(b, o, [x.flatten(0, 1).float() for x in exact], b[:0])
 
+    def forget_rows(self, block: int, offset: int) -> None:
+        """A staged block cut back below its end is no longer full, so it is not encoded until refilled."""
+        if self.stage is not None and offset < self.bs:
+            e = int(self.stage.lookup(torch.tensor([block], device=self.stage_full.device))[0])
+            if e >= 0:
+                self.stage_full[e] = False
+
     # ---- read -------------------------------------------------------------------------------
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bids = block_ids.long()
@@ -141,44 +148,6 @@ class QuantLayerKV(LayerKV):
         stage = [self.stage.entry_of, *self.stage_rows] if self.stage is not None else []
         sink = [self.sink.entry_of, *self.sink_rows] if self.sink is not None else []
         return RawKV(sides[0], sides[1], stage, sink)
-
-    # ---- copy-on-write ----------------------------------------------------------------------
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        device = self.parts[0][0].device
-        src_t = torch.as_tensor(src, dtype=torch.long, device=device)
-        dst_t = torch.as_tensor(dst, dtype=torch.long, device=device)
-        for ps in self.parts:
-            for p in ps:
-                p[dst_t] = p[src_t]
-        if self.sink is not None:
-            self._copy_entries(self.sink, self.sink_rows, None, src_t, dst_t)
-        if self.stage is not None:
-            self._copy_entries(self.stage, self.stage_rows, self.stage_full, src_t, dst_t)
-
-    def _copy_entries(self, table: SideTable, exact: list[torch.Tensor], full: torch.Tensor | None,
-                      src: torch.Tensor, dst: torch.Tensor) -> None:
-        table.release(dst)
-        e = table.lookup(src)
-        has = e >= 0
-        if not bool(has.any()):
-            return
-        content = [s[e[has]].clone() for s in exact]
-        was_full = full[e[has]].clone() if full is not None else None
-        dst = dst[has]
-        claim = table.claim(dst, (~full).long() * PARTIAL_BIAS if full is not None else None)
-        if full is not None:
-            self._flush(claim.victim_blocks, claim.victim_entries)
-        else:
-            self._unsink(claim.victim_blocks, [s[claim.victim_entries] for s in exact])
-        for s, c in zip(exact, content):
-            s[claim.entries] = c[claim.taken]
-        lost = ~claim.taken
-        if full is not None:
-            full[claim.entries] = was_full[claim.taken]
-            if bool(lost.any()):
-                self._encode_into(dst[lost], [c[lost].float() for c in content])
-        elif bool(lost.any()):
-            self._unsink(dst[lost], [c[lost] for c in content])
 
 
 def overlay_exact(decoded: list[torch.Tensor], entries: torch.Tensor, exact: list[torch.Tensor]) -> None:

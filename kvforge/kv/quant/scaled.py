@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kv.formats import RawSide
+from kvforge.kv.layer_format import RawSide
 from kvforge.kv.quant.codec import Codec, Layout
 from kvforge.kv.quant.packing import byte_table, read_bytes
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kvforge.kv.formats import RawSide
+from kvforge.kv.layer_format import RawSide
 from kvforge.kv.quant.codec import Codec, Layout
 from kvforge.kv.quant.packing import byte_table, pack, unpack
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from kvforge.attention import AttentionMetadata, prefill_history
 from kvforge.errors import ModelLoadError
-from kvforge.kv.formats import LayerKV
+from kvforge.kv.layer_format import LayerKV
 from kvforge.kv.policies.stats import record_decode, record_prefill
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
@@ -153,7 +153,7 @@ class MLAAttention(nn.Module):
 def attend_latent(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rank: int) -> torch.Tensor:
     """q: [T, heads, rank + rope] absorbed queries -> [T, heads, rank] attention-weighted latents.
 
-    Scores are exactly those of the unabsorbed attention, so KV policies get them (meta.collect) unchanged.
+    Scores are exactly those of the unabsorbed attention, so KV policies get them (meta.stats) unchanged.
     """
     out = q.new_empty(q.shape[0], q.shape[1], rank)
     for seqs, table, valid, q_index in meta.decode_groups(q.device):
@@ -162,15 +162,15 @@ def attend_latent(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scal
         scores = torch.bmm(q[q_index], rows.transpose(1, 2)) * scale  # [B, heads, L]
         probs = torch.softmax(scores.masked_fill_(~valid[:, None, :], float("-inf")), dim=-1)
         out[q_index] = torch.bmm(probs, rows[..., :rank])
-        if meta.collect:
-            record_decode(meta, seqs, probs.sum(1))
-    for i in meta.prefill_rows:
+        if meta.stats:
+            record_decode(meta.stats, seqs, probs.sum(1), meta.context_lens)
+    for i in meta.multi_rows + meta.prefill_rows:
         start, n = meta.query_start_loc[i], meta.query_lens[i]
         rows, _, mask = prefill_history(cache, meta, i, q.device)  # rows: [1, 1, ctx, rank + rope]
         rows = rows.to(q.dtype)
         res = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1)[None], rows, rows[..., :rank],
                                              attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + n] = res[0].transpose(0, 1)
-        if meta.collect:
-            record_prefill(meta, i, q[start : start + n], rows, mask, scale)
+        if meta.stats:
+            record_prefill(meta.stats, i, q[start : start + n], rows, mask, scale)
     return out

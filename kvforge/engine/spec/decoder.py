@@ -1,0 +1,76 @@
+"""SpeculativeDecoder: drafts before a step, verifies after it, adapts each sequence's draft length, counts."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvforge.engine.sampler import target_probs
+from kvforge.engine.spec.config import SpeculativeConfig
+from kvforge.engine.spec.ngram import propose_ngram
+from kvforge.engine.spec.verify import verify_greedy, verify_sampled
+
+
+class SpeculativeDecoder:
+    def __init__(self, config: SpeculativeConfig, length_limit: int, evictor=None):
+        self.config, self.length_limit, self.evictor = config, length_limit, evictor
+        k = config.num_speculative_tokens
+        self.num_drafts = 0  # (sequence, step) pairs that verified at least one drafted token
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * k
+        self.drafted_per_position = [0] * k
+        self.draft_seconds = 0.0
+
+    def propose(self, running: list) -> None:
+        """Set each decoding sequence's draft_token_ids for the coming step (empty when it should not draft)."""
+        start = time.perf_counter()
+        active = len(running) < self.config.disable_by_batch_size
+        c = self.config
+        for seq in running:
+            seq.draft_token_ids = []
+            if not active or seq.num_computed_tokens != seq.num_tokens - 1:
+                continue
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.length_limit - seq.num_tokens) - 1
+            k = min(seq.spec_len or c.num_speculative_tokens, room)
+            if self.evictor is not None and k > 0:  # stop where token-by-token decoding would compact the cache
+                k = self.evictor.tokens_before_compaction(seq, k + 1) - 1
+            if k > 0:
+                seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        self.draft_seconds += time.perf_counter() - start
+
+    def verify(self, seq, logits: torch.Tensor) -> list[int]:
+        """logits [len(drafts) + 1, vocab] of seq's last rows -> the tokens it emits this step."""
+        drafts = seq.draft_token_ids
+        if seq.params.greedy:
+            out = verify_greedy(logits, drafts)
+        else:
+            out = verify_sampled(target_probs(logits, seq), drafts, seq.generator)
+        self._record(seq, len(drafts), len(out) - 1)
+        return out
+
+    def _record(self, seq, drafted: int, accepted: int) -> None:
+        if not drafted:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < accepted
+        k = seq.spec_len or self.config.num_speculative_tokens
+        seq.spec_len = min(self.config.num_speculative_tokens, k + 1) if accepted == drafted else max(1, accepted + 1)
+
+    def stats(self) -> dict:
+        drafts, drafted = self.num_drafts, self.num_draft_tokens
+        return {
+            "spec_method": self.config.method,
+            "spec_num_drafts": drafts,
+            "spec_num_draft_tokens": drafted,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_acceptance_rate": self.num_accepted_tokens / drafted if drafted else 0.0,
+            "spec_mean_acceptance_length": 1 + self.num_accepted_tokens / drafts if drafts else 1.0,
+            "spec_acceptance_per_position": [a / d if d else 0.0 for a, d in
+                                             zip(self.accepted_per_position, self.drafted_per_position)],
+            "spec_draft_seconds": self.draft_seconds,
+        }

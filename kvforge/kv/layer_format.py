@@ -1,0 +1,99 @@
+"""The two interfaces of a KV storage format: KVFormat (sizes, allocation) and LayerKV (one layer's blocks).
+
+A format is a codec. Attention only sees fp32 rows coming out of `LayerKV.gather`.
+Concrete formats live in kvforge.kv.formats (plain dtypes) and kvforge.kv.quant (quantized ones).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from kvforge.kv.spec import KVCacheSpec
+
+
+@dataclass(frozen=True)
+class RawSide:
+    """K or V as stored, for operators that decode blocks in place (kvforge.ops).
+
+    kind: "plain" (rows in fp32/fp16/bf16), "scaled" (codes, one fp16 scale per row and head) or
+    "uniform_token" / "uniform_channel" (packed `bits`-bit codes, parameters per `group` along head_dim
+    or per channel over a block); `parts` is the codec's layout in the order kvforge/ops/csrc/tiles.h lists.
+    """
+
+    kind: str
+    parts: list[torch.Tensor]
+    bits: int = 0
+    group: int = 0
+
+
+@dataclass(frozen=True)
+class RawKV:
+    """A layer's storage as tensors: K and V sides, plus exact fp16 rows laid over decoded blocks:
+    `stage` and `sink` are [] or [entry_of (block -> entry, -1 none), K rows, V rows]."""
+
+    k: RawSide
+    v: RawSide
+    stage: list[torch.Tensor] = field(default_factory=list)
+    sink: list[torch.Tensor] = field(default_factory=list)
+
+
+class LayerKV(ABC):
+    """One layer's physical block storage in some format."""
+
+    @abstractmethod
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+              positions: torch.Tensor | None = None) -> None:
+        """Store rows k[i] (and v[i]) of shape [T, heads, dim] at flat slot ids slots[i].
+
+        positions[i] is row i's token position in its sequence (formats with exact sinks need it).
+        Each slot appears at most once per call; a block written at offset 0 is treated as new.
+        """
+
+    @abstractmethod
+    def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 K and V of the given blocks, concatenated: [len(block_ids) * block_size, heads, dim]."""
+
+    def forget_rows(self, block: int, offset: int) -> None:
+        """Rows from `offset` on in `block` are void (rolled back); they will be written again before use."""
+
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer allocated, for exact byte accounting."""
+
+    def raw(self) -> RawKV | None:
+        """The storage as tensors for in-place decoding operators; None when this layer has no such view."""
+        return None
+
+
+class KVFormat(ABC):
+    """A storage codec. Subclasses register themselves by `name`."""
+
+    name: ClassVar[str]
+    registry: ClassVar[dict[str, type[KVFormat]]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if getattr(cls, "name", None):
+            KVFormat.registry[cls.name] = cls
+
+    @abstractmethod
+    def layer_block_bytes(self, spec: KVCacheSpec, block_size: int) -> int:
+        """Bytes one block of one layer occupies (codes, scales and any side buffers)."""
+
+    def side_bytes(self, spec: KVCacheSpec, block_size: int, max_num_seqs: int = 1) -> int:
+        """Bytes one layer holds beyond its blocks (per-sequence staging/residual and sink buffers)."""
+        return 0
+
+    @abstractmethod
+    def allocate(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device,
+                 max_num_seqs: int = 1) -> LayerKV:
+        """Allocate one layer's storage for num_blocks blocks (side buffers sized for max_num_seqs).
+
+        Exactly num_blocks * layer_block_bytes + side_bytes(max_num_seqs) bytes in tensors().
+        """
+
+    def validate(self, spec: KVCacheSpec, block_size: int) -> None:
+        """Raise ConfigError when this format cannot store `spec` with `block_size`."""
