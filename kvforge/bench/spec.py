@@ -2,7 +2,8 @@
 
 Grounded prompts ask the model to copy, number or correct a passage of the shipped texts (output repeats
 the input, where prompt lookup shines); chat prompts are open-ended. Greedy, so every method produces the
-same tokens; `speedup` is the ratio of decode-phase output tok/s (steps where every request of a group
+same tokens. Each group of prompts runs with speculation off and with each method back to back, in
+alternating order (machine load drifts). `speedup` is the ratio of decode-phase output tok/s (steps where every request of a group
 already has its first token; prefill is identical work), `e2e_speedup` that of whole wall times.
 """
 from __future__ import annotations
@@ -30,8 +31,11 @@ CHAT = ("Write a short story about a lighthouse keeper who finds a message in a 
 METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 5}}
 
 
-def grounded_prompts(tokenizer, count: int, passage_tokens: int) -> list[list[int]]:
-    sources = [load_text("hamlet"), load_text("macbeth"), load_text("gpl-3")]
+GROUNDED_TEXTS = ("hamlet", "macbeth", "gpl-3")
+
+
+def grounded_prompts(tokenizer, count: int, passage_tokens: int, texts=GROUNDED_TEXTS) -> list[list[int]]:
+    sources = [load_text(t) for t in texts]
     prompts = []
     for i in range(count):
         ids = tokenizer.encode(sources[i % len(sources)])
@@ -49,63 +53,94 @@ def _chat(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
 
 
-def _run(loaded, spec: dict | None, prompts: list[list[int]], batch: int, max_tokens: int, label: str,
-         show: bool) -> dict:
-    engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 30, max_num_seqs=batch, enable_prefix_caching=False,
-                                    speculative=spec), loaded)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    progress = Progress(label, len(prompts), show)
-    outputs, start = {}, time.perf_counter()
-    decode_seconds, decode_tokens = 0.0, 0
-    for first in range(0, len(prompts), batch):
-        ids = [engine.add_request(p, params) for p in prompts[first: first + batch]]
+class _Arm:
+    """One engine (speculation off, or one method) and what it measured over the groups it ran."""
+
+    def __init__(self, loaded, spec: dict | None, batch: int):
+        self.spec = spec
+        self.engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 30, max_num_seqs=batch, enable_prefix_caching=False,
+                                             speculative=spec), loaded)
+        self.seconds = self.decode_seconds = 0.0
+        self.decode_tokens = 0
+        self.outputs: list[list[int]] = []
+
+    def run_group(self, prompts: list[list[int]], max_tokens: int) -> None:
+        engine, params = self.engine, SamplingParams(temperature=0, max_tokens=max_tokens)
+        start = time.perf_counter()
+        ids = [engine.add_request(p, params) for p in prompts]
         started: set[str] = set()
+        done = {}
         while engine.has_unfinished_requests():
             decoding, t = len(started) == len(ids), time.perf_counter()
             outs = engine.step()
             if decoding:  # every request of the group has its first token: a pure decode step
-                decode_seconds += time.perf_counter() - t
-                decode_tokens += sum(len(o.new_token_ids) for o in outs)
+                self.decode_seconds += time.perf_counter() - t
+                self.decode_tokens += sum(len(o.new_token_ids) for o in outs)
             for o in outs:
                 started.add(o.request_id)
                 if o.finished:
-                    outputs[o.request_id] = o.token_ids
-                    progress.update()
-    seconds = time.perf_counter() - start
+                    done[o.request_id] = o.token_ids
+        self.seconds += time.perf_counter() - start
+        self.outputs += [done[i] for i in ids]
+
+    def row(self) -> dict:
+        tokens = sum(len(t) for t in self.outputs)
+        row = {"seconds": self.seconds, "output_tokens": tokens, "output_tok_s": tokens / self.seconds,
+               "decode_seconds": self.decode_seconds,
+               "decode_tok_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0}
+        if self.spec:
+            s = self.engine.stats()
+            row.update({"acceptance_rate": s["spec_acceptance_rate"],
+                        "mean_acceptance_length": s["spec_mean_acceptance_length"],
+                        "acceptance_per_position": s["spec_acceptance_per_position"],
+                        "draft_time_share": s["spec_draft_seconds"] / self.seconds})
+        return row
+
+
+def _compare(loaded, methods: dict, prompts: list[list[int]], batch: int, max_tokens: int, label: str,
+             show: bool) -> tuple[dict, dict]:
+    """Every group of `batch` prompts runs on each arm back to back, in alternating order, so a change in
+    machine load hits all arms alike."""
+    arms = {"off": _Arm(loaded, None, batch), **{name: _Arm(loaded, spec, batch) for name, spec in methods.items()}}
+    order = list(arms)
+    groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
+    progress = Progress(label, len(groups) * len(arms), show)
+    for g, group in enumerate(groups):
+        for name in order if g % 2 == 0 else order[::-1]:
+            arms[name].run_group(group, max_tokens)
+            progress.update()
     progress.close()
-    s = engine.stats()
-    tokens = sum(len(t) for t in outputs.values())
-    row = {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
-           "decode_seconds": decode_seconds, "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else 0.0,
-           "outputs": [outputs[k] for k in sorted(outputs, key=int)]}
-    if spec:
-        row.update({"acceptance_rate": s["spec_acceptance_rate"],
-                    "mean_acceptance_length": s["spec_mean_acceptance_length"],
-                    "acceptance_per_position": s["spec_acceptance_per_position"],
-                    "draft_time_share": s["spec_draft_seconds"] / seconds})
-    return row
+    off = arms.pop("off")
+    rows = {}
+    for name, arm in arms.items():
+        row = arm.row()
+        row["same_output"] = arm.outputs == off.outputs
+        row["speedup"] = row["decode_tok_s"] / off.row()["decode_tok_s"]  # decode phase: prefill is the same work
+        row["e2e_speedup"] = off.seconds / arm.seconds
+        rows[name] = row
+    return off.row(), rows
 
 
 def spec_bench(loaded, methods: list[str] | None = None, batches: tuple[int, ...] = (1, 8), prompts_b1: int = 3,
                max_tokens: int = 96, passage_tokens: int = 400, show: bool = True,
-               workloads: dict[str, Callable[[int], list[list[int]]]] | None = None) -> dict:
-    """workloads: name -> prompts for a count (default: 'grounded' and 'chat' on the model's tokenizer)."""
+               workloads: dict[str, Callable[[int], list[list[int]]]] | None = None, texts=GROUNDED_TEXTS,
+               spec_options: dict | None = None) -> dict:
+    """workloads: name -> prompts for a count (default: 'grounded' from `texts` and 'chat', on the model's
+    tokenizer); spec_options override every method's options (e.g. num_speculative_tokens)."""
     tok = loaded.tokenizer
-    workloads = workloads or {"grounded": lambda n: grounded_prompts(tok, n, passage_tokens),
+    workloads = workloads or {"grounded": lambda n: grounded_prompts(tok, n, passage_tokens, texts),
                               "chat": lambda n: chat_prompts(tok, n)}
-    result: dict = {"max_tokens": max_tokens, "passage_tokens": passage_tokens, "off": {}}
-    for name in methods or list(METHODS):
+    methods = {name: {**METHODS[name], **(spec_options or {})} for name in methods or list(METHODS)}
+    result: dict = {"max_tokens": max_tokens, "passage_tokens": passage_tokens, "texts": list(texts),
+                    "methods": methods, "off": {}}
+    for name in methods:
         result[name] = {}
     for workload, make_prompts in workloads.items():
         for batch in batches:
             prompts = make_prompts(prompts_b1 if batch == 1 else batch)
             key = f"b{batch}"
-            off = _run(loaded, None, prompts, batch, max_tokens, f"{workload} {key} off", show)
-            result["off"].setdefault(workload, {})[key] = {k: v for k, v in off.items() if k != "outputs"}
-            for name in methods or list(METHODS):
-                on = _run(loaded, METHODS[name], prompts, batch, max_tokens, f"{workload} {key} {name}", show)
-                on["same_output"] = on.pop("outputs") == off["outputs"]
-                on["speedup"] = on["decode_tok_s"] / off["decode_tok_s"]  # decode phase: prefill is the same work
-                on["e2e_speedup"] = off["seconds"] / on["seconds"]
-                result[name].setdefault(workload, {})[key] = on
+            off, rows = _compare(loaded, methods, prompts, batch, max_tokens, f"{workload} {key}", show)
+            result["off"].setdefault(workload, {})[key] = off
+            for name, row in rows.items():
+                result[name].setdefault(workload, {})[key] = row
     return result

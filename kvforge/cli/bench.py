@@ -63,6 +63,9 @@ def register(sub) -> None:
     sp.add_argument("--prompts", type=int, default=3, help="prompts run one at a time at batch 1 (default: 3)")
     sp.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt (default: 96)")
     sp.add_argument("--passage-tokens", type=int, default=400, help="passage length of grounded prompts (default: 400)")
+    sp.add_argument("--texts", nargs="*", default=["hamlet", "macbeth", "gpl-3"],
+                    help="texts the grounded passages come from (default: hamlet macbeth gpl-3)")
+    sp.add_argument("--spec-options", default=None, help='options for every method as JSON, e.g. \'{"num_speculative_tokens": 8}\'')
     sp.add_argument("--model", default=None)
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--no-progress", action="store_true")
@@ -147,11 +150,13 @@ def run_prefix(args) -> int:
 def run_spec(args) -> int:
     from kvforge.bench.spec import spec_bench
     from kvforge.models.loader import load_model
+    from kvforge.options import json_object
 
     r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
-                   args.passage_tokens, not args.no_progress)
+                   args.passage_tokens, not args.no_progress, texts=tuple(args.texts),
+                   spec_options=json_object("--spec-options", args.spec_options, '{"num_speculative_tokens": 8}'))
     rows = []
-    for name in (k for k, v in r.items() if isinstance(v, dict) and k != "off"):
+    for name in r["methods"]:
         for workload, by_batch in r[name].items():
             for key, row in by_batch.items():
                 off = r["off"][workload][key]["decode_tok_s"]
