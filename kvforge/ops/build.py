@@ -58,9 +58,13 @@ def load_compiled() -> bool:
         from torch.utils.cpp_extension import load
 
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # venv ninja
-        directory = cache_dir()
+        directory, name = cache_dir(), f"kvforge_ops_{build_key()}"
+        library = directory / f"{name}.so"
+        if library.exists() and not (directory / "lock").exists():  # built before, no build under way
+            torch.ops.load_library(str(library))
+            return True
         directory.mkdir(parents=True, exist_ok=True)
-        load(name=f"kvforge_ops_{build_key()}", sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
+        load(name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
              extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return True
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:  # no compiler/ninja, failed build

@@ -6,7 +6,9 @@ import torch.utils.cpp_extension
 from kvforge.ops import build
 
 
-def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog):
+def test_failed_build_falls_back_with_one_warning(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+
     def broken(**kwargs):
         raise RuntimeError("Error building extension 'kvforge_ops': g++: not found")
 
