@@ -38,7 +38,8 @@ class RequestOutput:
     text: str
     token_ids: list[int]  # generated ids only
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     metrics: RequestMetrics
     new_token_ids: list[int] = field(default_factory=list)  # generated since the previous step
     logprobs: list[dict] | None = None
+    error: str | None = None  # why the request failed, when finish_reason is "error"

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from kvforge.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
+
 
 @dataclass
 class SamplingParams:
@@ -34,7 +36,7 @@ class SamplingParams:
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), f"logprobs must be None or an integer in 0..20, got {self.logprobs!r}"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:

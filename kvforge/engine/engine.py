@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+import traceback
 
 import torch
 
@@ -22,6 +24,8 @@ from kvforge.kv.policies.stats import AttentionStats
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
+
+log = logging.getLogger("kvforge.engine")
 
 
 class LLMEngine:
@@ -112,15 +116,20 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
             text = prompt
         elif isinstance(prompt, (list, tuple)):
-            ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"token ids must be integers in [0, {vocab})")
+            ids, text = self.check_token_ids(prompt), None
         else:
             raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidRequestError("prompt is empty; give at least one character or token id")
         return text, ids
+
+    def check_token_ids(self, ids, name: str = "prompt") -> list[int]:
+        """ids as a list; InvalidRequestError (naming `name`) unless every one is a token id of this model."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(f"{name}: token ids must be integers in [0, {vocab}), got {bad[0]!r}")
+        return list(ids)
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
@@ -146,17 +155,49 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except Exception as e:  # noqa: BLE001 - the batch's requests fail, the engine keeps serving
+            return self._fail(batch.seqs, e)
         now = time.monotonic()
         emitting = [seq for seq in batch.seqs if seq.request_id in result.tokens]
-        rejected = {seq.request_id: self._append(seq, result, now) for seq in emitting}
+        rejected, failed = {}, {}
+        for seq in emitting:
+            try:
+                rejected[seq.request_id] = self._append(seq, result, now)
+            except Exception as e:  # noqa: BLE001 - e.g. the tokenizer failed on this request only
+                failed[seq.request_id] = e
+                rejected[seq.request_id] = len(seq.draft_token_ids)  # commit none of its drafts
         self.commit(batch, result.stats, rejected)
         outputs = []
         for seq in emitting:
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                self.requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
+            error = failed.get(seq.request_id)
+            if error is None:
+                try:
+                    if seq.finish_reason is not None:
+                        self.scheduler.finish(seq)
+                        self.requests.pop(seq.request_id, None)
+                    outputs.append(self._output(seq))
+                    continue
+                except Exception as e:  # noqa: BLE001 - e.g. detokenizing its text failed
+                    error = e
+            outputs += self._fail([seq], error)
+        return outputs
+
+    def _fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
+        """Finish seqs with finish_reason 'error' after their step raised. Their blocks are freed without entering
+        the prefix cache (the failed step may have half-written them); blocks cached by earlier steps stay."""
+        # the traceback as text: a handler that keeps records (tests, memory handlers) must not pin the step's frames
+        log.error("step failed for %d request(s): %s", len(seqs), "".join(traceback.format_exception(error)).rstrip())
+        now = time.monotonic()
+        outputs = []
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, cache=False)
+            self.requests.pop(seq.request_id, None)
+            seq.finish_reason, seq.metrics.finished_time = "error", now
+            outputs.append(RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, "", list(seq.output_token_ids),
+                                         True, "error", seq.metrics, [], error=f"{type(error).__name__}: {error}"))
         return outputs
 
     def _append(self, seq: Sequence, result, now: float) -> int:

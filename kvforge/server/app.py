@@ -16,7 +16,15 @@ from kvforge.engine.engine import LLMEngine
 from kvforge.errors import InvalidRequestError
 from kvforge.server import serving
 from kvforge.server.engine_loop import EngineLoop
-from kvforge.server.errors import APIError, bad_request, model_not_found, server_error, unauthorized
+from kvforge.server.errors import (
+    APIError,
+    InternalErrors,
+    bad_request,
+    engine_unavailable,
+    model_not_found,
+    unauthorized,
+)
+from kvforge.server.limits import RequestLimits
 from kvforge.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -26,8 +34,6 @@ from kvforge.server.protocol import (
     parse_body,
 )
 
-MAX_SUBMISSIONS = 64  # prompts x n in one request
-
 
 @dataclass
 class ServerConfig:
@@ -35,10 +41,29 @@ class ServerConfig:
     share_prefix_cache_across_keys: bool = False
     max_waiting: int | None = 512
     served_model_name: str | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def key_salt(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class KeyChecker:
+    """Constant-time API key check: the digests of every configured key are compared, whatever the candidate's
+    length or which key it matches, so the time taken says nothing about the keys."""
+
+    def __init__(self, keys: list[str]):
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def matches(self, candidate: str) -> bool:
+        digest = hashlib.sha256(candidate.encode()).digest()
+        found = False
+        for d in self._digests:
+            found |= hmac.compare_digest(digest, d)
+        return found
 
 
 def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
@@ -46,7 +71,8 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     loop = EngineLoop(engine, config.max_waiting)
     name = config.served_model_name or _model_name(engine)
     tokenizer = engine.tokenizer
-    keys = [k.encode() for k in config.api_keys]
+    keys = KeyChecker(config.api_keys)
+    limits = config.limits
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,6 +81,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         loop.stop()
 
     app = FastAPI(title="kvforge", lifespan=lifespan)
+    app.add_middleware(InternalErrors)
     app.state.engine_loop = loop
 
     @app.exception_handler(APIError)
@@ -66,19 +93,15 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind).response()
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, e: Exception) -> JSONResponse:
-        return server_error(f"internal error: {type(e).__name__}: {e}").response()
-
     def authorize(request: Request) -> str | None:
         """Checks the API key; returns the tenant's cache salt (None when keys are off or shared)."""
         if not keys:
             return None
         header = request.headers.get("authorization", "")
-        token = header[7:].strip().encode() if header[:7].lower() == "bearer " else b""
-        if not any(hmac.compare_digest(token, k) for k in keys):
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if not keys.matches(token):
             raise unauthorized()
-        return None if config.share_prefix_cache_across_keys else key_salt(token.decode())
+        return None if config.share_prefix_cache_across_keys else key_salt(token)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != name:
@@ -94,14 +117,6 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             raise bad_request(f"{param} is empty; give at least one character or token id", param)
         return tokenizer.encode(text)
 
-    def token_ids(ids: list[int], param: str) -> list[int]:
-        vocab = engine.model_config.vocab_size
-        if not ids:
-            raise bad_request(f"{param} is empty; give at least one token id", param)
-        if not all(0 <= t < vocab for t in ids):
-            raise bad_request(f"{param}: token ids must be integers in [0, {vocab})", param)
-        return ids
-
     def chat_ids(messages: list[Message]) -> list[int]:
         if not messages:
             raise bad_request("messages must be a non-empty list of {'role': ..., 'content': ...} objects", "messages")
@@ -113,14 +128,14 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             raise bad_request(str(e), "messages") from None
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def completion_prompts(prompt) -> list[list[int]]:
+    def completion_prompts(req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
         items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
-        return [text_ids(p, "prompt") if isinstance(p, str) else token_ids(p, "prompt") for p in items]
+        limits.check(req, len(items))  # before the work of tokenizing
+        return [text_ids(p, "prompt") if isinstance(p, str) else p for p in items]  # the engine checks token ids
 
     async def run(request: Request, req, prompts: list[list[int]], kind: str, key: str | None) -> Response:
-        if len(prompts) * req.n > MAX_SUBMISSIONS:
-            raise bad_request(f"{len(prompts)} prompts x n={req.n} is more than {MAX_SUBMISSIONS} sequences", "n")
-        prepared = serving.prepare(req, prompts, engine, salt(key, req.cache_salt), kind, name)
+        prepared = serving.prepare(req, prompts, engine, salt(key, req.cache_salt), kind, name, limits.max_tokens)
         group = await serving.submit(loop, prepared)
         if req.stream:
             return StreamingResponse(serving.stream(loop, group, prepared, tokenizer), media_type="text/event-stream")
@@ -130,15 +145,16 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         key = authorize(request)
-        req = parse_body(await request.body(), CompletionRequest)
+        req = parse_body(await limits.read_body(request), CompletionRequest)
         check_model(req.model)
-        return await run(request, req, completion_prompts(req.prompt), "completion", key)
+        return await run(request, req, completion_prompts(req), "completion", key)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         key = authorize(request)
-        req = parse_body(await request.body(), ChatRequest)
+        req = parse_body(await limits.read_body(request), ChatRequest)
         check_model(req.model)
+        limits.check(req, 1)
         return await run(request, req, [chat_ids(req.messages)], "chat", key)
 
     @app.get("/v1/models")
@@ -151,13 +167,14 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not loop.alive:
-            return server_error("the engine loop is not running").response()
+            reason = f"died ({type(loop.error).__name__}: {loop.error})" if loop.error else "is not running"
+            return engine_unavailable(f"unhealthy: the engine loop {reason}").response()
         return JSONResponse({"status": "ok"})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         authorize(request)
-        req = parse_body(await request.body(), TokenizeRequest)
+        req = parse_body(await limits.read_body(request), TokenizeRequest)
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of prompt or messages", "prompt")
@@ -172,15 +189,19 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         authorize(request)
-        req = parse_body(await request.body(), DetokenizeRequest)
+        req = parse_body(await limits.read_body(request), DetokenizeRequest)
         check_model(req.model)
         if tokenizer is None:
             raise bad_request("this model has no tokenizer", "tokens")
-        return {"prompt": tokenizer.decode(token_ids(req.tokens, "tokens") if req.tokens else [])}
+        try:
+            ids = engine.check_token_ids(req.tokens, "tokens")
+        except InvalidRequestError as e:
+            raise bad_request(str(e), "tokens") from None
+        return {"prompt": tokenizer.decode(ids)}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        stats = await loop.call(lambda e: e.stats())
+        stats = {**await loop.call(lambda e: e.stats()), "outputs_held": loop.held_outputs()[0]}
         return PlainTextResponse(loop.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
     @app.post("/reset_prefix_cache")

@@ -1,7 +1,11 @@
 """Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}."""
 from __future__ import annotations
 
+import logging
+
 from fastapi.responses import JSONResponse
+
+log = logging.getLogger("kvforge.server")
 
 
 class APIError(Exception):
@@ -38,3 +42,35 @@ def queue_full(max_waiting: int) -> APIError:
 
 def server_error(message: str) -> APIError:
     return APIError(500, message, "server_error", code="internal_error")
+
+
+def engine_unavailable(reason: str) -> APIError:
+    return APIError(503, f"{reason}; the server cannot run requests (restart it)", "server_error",
+                    code="engine_unavailable")
+
+
+class InternalErrors:
+    """ASGI middleware: an unexpected exception becomes an OpenAI-shaped 500 and goes no further. (Starlette's own
+    handler for Exception re-raises after answering, and uvicorn then closes the keep-alive connection under the
+    client's next request.) Once a response has started, the status is sent: the exception goes on."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_noting_start(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception as e:
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            await server_error(f"internal error: {type(e).__name__}: {e}").response()(scope, receive, send)

@@ -15,9 +15,8 @@ from kvforge.server.errors import APIError, bad_request, server_error
 from kvforge.server.protocol import ChatRequest, CompletionRequest
 from kvforge.server.responses import ChoiceText, Shaper, usage
 
-MAX_N = 16
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
-_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
+_PARAMS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
 
 
 @dataclass
@@ -31,9 +30,7 @@ class Prepared:
 
 
 def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engine, cache_salt: str | None,
-            kind: str, model: str) -> Prepared:
-    if not 1 <= req.n <= MAX_N:
-        raise bad_request(f"n must be an integer in 1..{MAX_N}, got {req.n}", "n")
+            kind: str, model: str, max_tokens_limit: int) -> Prepared:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) != 0:
             raise bad_request(f"{name} is not supported; send 0 or leave it out", name)
@@ -47,7 +44,7 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         default_max, want_lp = None, req.logprobs
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    limit = engine.max_model_len
+    limit = engine.length_limit  # the engine's own bound on prompt + output (beyond max_model_len when streaming)
     subs = []
     for ids in prompts:
         room = limit - len(ids)
@@ -58,7 +55,7 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
             raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
                            f"max_model_len is {limit}, so max_tokens may be at most {room}", param="max_tokens",
                            code="context_length_exceeded")
-        n_tokens = max_tokens if max_tokens is not None else min(default_max or room, room)
+        n_tokens = max_tokens if max_tokens is not None else min(default_max or room, room, max_tokens_limit)
         for j in range(req.n):
             seed = None if req.seed is None else req.seed + j
             try:
@@ -73,7 +70,7 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
 
 
 def invalid(e: InvalidRequestError) -> APIError:
-    word = str(e).split(" ", 1)[0]
+    word = str(e).split(" ", 1)[0].rstrip(":")
     code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
     return bad_request(str(e), word if word in _PARAMS else None, code)
 
@@ -102,13 +99,14 @@ async def collect(loop: EngineLoop, group: RequestGroup, p: Prepared,
                 if await disconnected():
                     return None
             try:
-                index, item = await asyncio.wait_for(group.queue.get(), timeout=DISCONNECT_POLL_S)
+                items = await asyncio.wait_for(group.mailbox.get(), timeout=DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 continue
-            if isinstance(item, Exception):
-                raise server_error(f"the engine failed while running this request: {item}")
-            if item.finished:
-                finals[index] = item
+            for index, item in items:
+                if isinstance(item, Exception):
+                    raise _api_error(item)
+                if item.finished:
+                    finals[index] = item
     finally:
         left = [rid for i, rid in enumerate(group.ids) if i not in finals]
         if left:
@@ -119,32 +117,41 @@ async def collect(loop: EngineLoop, group: RequestGroup, p: Prepared,
 
 async def stream(loop: EngineLoop, group: RequestGroup, p: Prepared, tokenizer) -> AsyncIterator[str]:
     """Server-sent events; aborts the unfinished requests when the client goes away (the generator is cancelled)."""
-    texts = [ChoiceText(tokenizer, p.prompts[i // p.n], p.stop) for i in range(len(group.ids))]
     finals: dict[int, RequestOutput] = {}
     try:
+        texts = [ChoiceText(tokenizer, p.prompts[i // p.n], p.stop) for i in range(len(group.ids))]
         if p.shaper.kind == "chat":
             for i in range(len(group.ids)):
                 yield _sse(p.shaper.chunk(i, "", None, role=True))
         while len(finals) < len(group.ids):
-            index, item = await group.queue.get()
-            if isinstance(item, Exception):
-                yield _sse(server_error(f"the engine failed while running this request: {item}").body())
-                break
-            t = texts[index]
-            offset = len(t.sent)
-            delta = t.delta(item.new_token_ids, item.finished, item.text)
-            logprobs = t.new_logprobs(item.logprobs)
-            if item.finished:
-                finals[index] = item
-            if delta or logprobs or item.finished:
-                yield _sse(p.shaper.chunk(index, delta or None, item.finish_reason if item.finished else None, logprobs, offset))
+            for index, item in await group.mailbox.get():
+                if isinstance(item, Exception):
+                    raise item
+                t = texts[index]
+                offset = len(t.sent)
+                delta = t.delta(item.new_token_ids, item.finished, item.text)
+                logprobs = t.new_logprobs(item.logprobs)
+                if item.finished:
+                    finals[index] = item
+                if delta or logprobs or item.finished:
+                    reason = item.finish_reason if item.finished else None
+                    yield _sse(p.shaper.chunk(index, delta or None, reason, logprobs, offset))
         if p.include_usage and len(finals) == len(group.ids):
             yield _sse(p.shaper.usage_chunk(_usage(p, finals)))
         yield "data: [DONE]\n\n"
+    except Exception as e:  # noqa: BLE001 - the status line is sent: the error goes in the stream, which then ends
+        yield _sse(_api_error(e).body())
     finally:
         left = [rid for i, rid in enumerate(group.ids) if i not in finals]
         if left:
             loop.abort(left)
+
+
+def _api_error(e: Exception) -> APIError:
+    """What a client is told about an error delivered in place of an output (or raised while streaming)."""
+    if isinstance(e, APIError):
+        return e
+    return server_error(f"the server failed while running this request: {type(e).__name__}: {e}")
 
 
 def _sse(obj: dict) -> str:

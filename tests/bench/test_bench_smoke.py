@@ -1,9 +1,14 @@
 """The benchmarks run end to end on a tiny model and measure what they claim (small workloads)."""
+import statistics
+
+import pytest
 import torch
 
+from kvforge.bench.flops import linear_params
 from kvforge.bench.memory import memory_bench
 from kvforge.bench.prefix import prefix_bench
 from kvforge.bench.throughput import throughput_bench
+from kvforge.bench.workload import random_workload
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.kv.formats import get_format
@@ -13,10 +18,22 @@ from kvforge.kv.memory import sequences_that_fit
 def test_throughput_counts_the_same_tokens_for_both(tiny_loaded, tiny_dir):
     engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=4, max_model_len=128), tiny_loaded)
     r = throughput_bench(engine, tiny_dir, num_requests=6, prompt_len=(4, 20), output_len=(2, 9), show_progress=False)
-    assert r["kvforge"]["output_tokens"] == r["hf"]["output_tokens"] == r["workload"]["output_tokens"]
-    assert r["hf_same_allocator"]["output_tokens"] == r["workload"]["output_tokens"]  # fresh process and this one
-    assert r["speedup"] > 0 and r["speedup_same_allocator"] > 0 and 0 < r["roofline_fraction"]
-    assert r["kvforge"]["flops"] > 0
+    ours, hf, same = r["kvforge"], r["hf"], r["hf_same_allocator"]
+    assert ours["output_tokens"] == hf["output_tokens"] == same["output_tokens"] == r["workload"]["output_tokens"]
+    for run in (ours, hf, same):
+        assert run["output_tok_s"] == pytest.approx(run["output_tokens"] / run["seconds"], rel=1e-12)
+    assert r["speedup"] == pytest.approx(ours["output_tok_s"] / hf["output_tok_s"], rel=1e-12)
+    assert r["speedup_same_allocator"] == pytest.approx(ours["output_tok_s"] / same["output_tok_s"], rel=1e-12)
+    # the FLOPs are the closed form of this workload: every token but each request's last goes through the model
+    workload = random_workload(6, (4, 20), (2, 9), tiny_loaded.config.vocab_size, 0)
+    lengths = [len(w.prompt_ids) + w.max_tokens - 1 for w in workload]
+    cfg, model = tiny_loaded.config, tiny_loaded.model
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * sum(n * (n + 1) // 2 for n in lengths)
+    expected = 2 * linear_params(model) * sum(lengths) + 2 * model.lm_head.weight.numel() * r["workload"]["output_tokens"]
+    assert ours["flops"] == expected + attention
+    peak = r["matmul_peak_gflops"] * 1e9
+    assert r["roofline_fraction"] == pytest.approx(ours["flops"] / ours["seconds"] / peak, rel=1e-12)
+    assert 0 < r["roofline_fraction"] <= 1
 
 
 def test_paged_layout_uses_memory_better_than_contiguous(tiny_loaded):
@@ -41,19 +58,36 @@ def test_quantized_formats_fit_more_sequences(tiny_loaded):
     assert fit["fp16"] == 2 * fit["fp32"] and fit["int8"] >= 1.7 * fit["fp16"]
 
 
-def test_kv_formats_bench_sweeps_options_with_memory_quality_and_speed(tiny_loaded):
-    from kvforge.bench.kv_formats import kv_formats_bench
+def test_kv_formats_bench_sweeps_options_with_memory_quality_and_speed(tiny_loaded, monkeypatch):
+    from kvforge.bench import kv_formats
 
+    timed = []  # (engine, tokens it decoded, seconds) per timed run, in the bench's order
+    real_timed_steps = kv_formats.timed_steps
+
+    def recorded(engine, steps):
+        before = engine.generated_tokens
+        seconds = real_timed_steps(engine, steps)
+        timed.append((engine, engine.generated_tokens - before, seconds))
+        return seconds
+
+    monkeypatch.setattr(kv_formats, "timed_steps", recorded)
     specs = ["fp16", "int8", 'int4:{"group_size": 16}', 'int4:{"group_size": 8}']
     ids = torch.randint(0, 96, (48,), generator=torch.Generator().manual_seed(0)).tolist()
-    r = kv_formats_bench(tiny_loaded, specs, budget=4 << 20, seq_len=64, batch=2, steps=2, quality_ids=ids, rounds=2)
+    r = kv_formats.kv_formats_bench(tiny_loaded, specs, budget=4 << 20, seq_len=64, batch=2, steps=2, quality_ids=ids, rounds=2)
     rows = r["formats"]
     assert list(rows) == specs and rows["fp16"]["capacity_ratio_vs_fp16"] == 1.0
     assert rows['int4:{"group_size": 8}']["bytes_per_token"] > rows['int4:{"group_size": 16}']["bytes_per_token"]
     assert rows["int8"]["sequences_fit"] > rows["fp16"]["sequences_fit"]
     assert r["quality"]["tokens"] == 48 and abs(rows["fp16"]["delta_pct"]) < 0.1
-    for row in rows.values():
-        assert row["decode_tok_s"] > 0 and row["ppl"] > 1
+    labels = ["fp32", *specs]
+    assert len(timed) == 2 * len(labels) and all(tokens == 2 * 2 for _, tokens, _ in timed)  # batch x steps decoded
+    seconds = {label: [t for i, (_, _, t) in enumerate(timed) if i % len(labels) == j] for j, label in enumerate(labels)}
+    assert r["fp32_decode_tok_s"] == pytest.approx(statistics.median(4 / t for t in seconds["fp32"]), rel=1e-12)
+    for label, row in rows.items():
+        assert row["decode_tok_s"] == pytest.approx(statistics.median(4 / t for t in seconds[label]), rel=1e-12)
+        slowdown = statistics.median(1 - f / t for f, t in zip(seconds["fp32"], seconds[label]))
+        assert row["decode_slowdown_vs_fp32"] == pytest.approx(slowdown, rel=1e-12)
+        assert row["ppl"] > 1
 
 
 def test_spec_bench_compares_the_same_outputs(tiny_loaded):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Self
@@ -15,6 +16,8 @@ from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.llm import LLM
 from kvforge.server import ServerConfig, build_app
+
+sys.path.insert(0, os.path.dirname(__file__))  # faults.py
 
 if os.environ.get("OMP_NUM_THREADS"):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -75,3 +78,24 @@ def model_name(server) -> str:
     import httpx
 
     return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+
+CHAR_ENGINE = {"kv_cache_memory": 8 << 20, "max_model_len": 512, "max_num_seqs": 64}
+
+
+@pytest.fixture(scope="session")
+def char_dir(tmp_path_factory) -> str:
+    """The tiny random llama with a one-token-per-character tokenizer (fast server tests with text prompts)."""
+    from faults import write_tiny_char_model
+
+    d = tmp_path_factory.mktemp("tiny-char")
+    write_tiny_char_model(d)
+    return str(d)
+
+
+@pytest.fixture()
+def char_engine(char_dir):
+    """A fresh engine over a fresh load (fault tests patch the model), built by calling it with EngineConfig options."""
+    from kvforge.models.loader import load_model
+
+    return lambda **options: LLMEngine(EngineConfig(**{**CHAR_ENGINE, **options}), load_model(char_dir))

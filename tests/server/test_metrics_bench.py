@@ -8,6 +8,7 @@ from kvforge.cli import main
 NAMES = ["kvforge_kv_blocks_used", "kvforge_kv_blocks_total", "kvforge_kv_usage_ratio",
          "kvforge_prefix_cache_queries_total", "kvforge_prefix_cache_hits_total", "kvforge_preemptions_total",
          "kvforge_requests_running", "kvforge_requests_waiting", "kvforge_generation_tokens_total",
+         "kvforge_stream_outputs_held",
          "kvforge_time_to_first_token_seconds_bucket", "kvforge_inter_token_latency_seconds_bucket"]
 
 
