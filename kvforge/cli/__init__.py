@@ -7,7 +7,7 @@ import sys
 
 from kvforge.errors import KVForgeError
 
-SUBCOMMANDS = ["generate", "chat", "serve", "bench", "eval", "memory", "advise"]
+SUBCOMMANDS = ["generate", "chat", "serve", "bench", "eval", "memory", "advise", "lab"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,55 @@
+"""kvforge lab: the whole matrix of KV techniques on one model and text, with a report (HTML, plots, JSON)."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+
+def _budget(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budgets are KV token counts, e.g. 128 256 512; got {text!r}") from None
+
+
+def register(sub) -> None:
+    p = sub.add_parser("lab", help="measure every KV technique on a model and text; write a report with plots",
+                       description=__doc__)
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
+    p.add_argument("--text", default="hamlet", help="a named text (hamlet, macbeth, hamlet+macbeth, gpl-3) or a file")
+    p.add_argument("--tokens", type=int, default=None, help="tokens of text scored for perplexity (quick 512, full 4096)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="a few minutes (default)")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full", help="the whole matrix")
+    p.add_argument("--out", default="kvforge-lab", help="output folder; re-running with it reuses measured cells")
+    p.add_argument("--formats", nargs="+", default=None, help='format specs, e.g. int8 int4 \'int4:{"group_size": 32}\'')
+    p.add_argument("--policies", nargs="+", default=None, help="window streaming h2o scissorhands snapkv")
+    p.add_argument("--budgets", nargs="+", type=_budget, default=None, help="KV tokens kept (default 1/8, 1/4, 1/2 of --tokens)")
+    p.add_argument("--priority", choices=["quality", "balanced", "efficiency"], default="balanced",
+                   help="how the advisor ranks the measured candidates")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run, mode="quick")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # a `kill` stops the lab like Ctrl-C: the report of what finished is still written
+
+
+def run(args) -> int:
+    from kvforge.lab import LabOptions, run_lab
+
+    options = LabOptions(args.model, args.text, args.out, args.mode, args.tokens, args.formats, args.policies,
+                         args.budgets, args.priority, not args.no_progress)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        lab_run, _ = run_lab(options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    report = os.path.join(args.out, "report.html")
+    if lab_run.interrupted:
+        print(f"kvforge lab: interrupted; the report of what finished is in {report}", file=sys.stderr)
+        return 130
+    print(f"{len(lab_run.measured)} cells measured, {len(lab_run.reused)} reused, {lab_run.seconds:.0f} s: {report}")
+    return 0
