@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kvforge.kv.layer_format import LayerKV
 from kvforge.kv.policies.stats import AttentionStats, record_decode, record_multi, record_prefill
+from kvforge.ops import paged_decode
 
 DECODE_BUCKETS = 4
 MULTI_QUERY_MAX = 8  # rows of 2..8 queries (speculative verification, short chunks) attend batched, not one by one
@@ -131,6 +132,10 @@ def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: floa
 
 def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rows: list[int],
             table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor) -> torch.Tensor:
+    if not meta.stats:  # KV policies read the probabilities, which only this torch path keeps
+        out = paged_decode(q[q_index], cache, table, [meta.context_lens[i] for i in rows], scale, meta.sliding_window)
+        if out is not None:
+            return out
     b, width = table.shape
     k, v = cache.gather(table.flatten())
     kv_heads, length = k.shape[1], width * meta.block_size

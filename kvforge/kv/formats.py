@@ -6,7 +6,7 @@ from typing import ClassVar
 import torch
 
 from kvforge.errors import ConfigError
-from kvforge.kv.layer_format import KVFormat, LayerKV
+from kvforge.kv.layer_format import KVFormat, LayerKV, RawKV, RawSide
 from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: F401  (registered on import)
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.options import json_object
@@ -30,6 +30,9 @@ class PlainLayerKV(LayerKV):
 
     def tensors(self):
         return [t for t in (self.k, self.v) if t is not None]
+
+    def raw(self):
+        return RawKV(RawSide("plain", [self.k]), RawSide("plain", [self.v])) if self.v is not None else None
 
 
 class PlainFormat(KVFormat):

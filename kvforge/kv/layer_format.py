@@ -6,11 +6,38 @@ Concrete formats live in kvforge.kv.formats (plain dtypes) and kvforge.kv.quant 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from kvforge.kv.spec import KVCacheSpec
+
+
+@dataclass(frozen=True)
+class RawSide:
+    """K or V as stored, for operators that decode blocks in place (kvforge.ops).
+
+    kind: "plain" (rows in fp32/fp16/bf16), "scaled" (codes, one fp16 scale per row and head) or
+    "uniform_token" / "uniform_channel" (packed `bits`-bit codes, parameters per `group` along head_dim
+    or per channel over a block); `parts` is the codec's layout in the order kvforge/ops/csrc/tiles.h lists.
+    """
+
+    kind: str
+    parts: list[torch.Tensor]
+    bits: int = 0
+    group: int = 0
+
+
+@dataclass(frozen=True)
+class RawKV:
+    """A layer's storage as tensors: K and V sides, plus exact fp16 rows laid over decoded blocks:
+    `stage` and `sink` are [] or [entry_of (block -> entry, -1 none), K rows, V rows]."""
+
+    k: RawSide
+    v: RawSide
+    stage: list[torch.Tensor] = field(default_factory=list)
+    sink: list[torch.Tensor] = field(default_factory=list)
 
 
 class LayerKV(ABC):
@@ -35,6 +62,10 @@ class LayerKV(ABC):
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer allocated, for exact byte accounting."""
+
+    def raw(self) -> RawKV | None:
+        """The storage as tensors for in-place decoding operators; None when this layer has no such view."""
+        return None
 
 
 class KVFormat(ABC):

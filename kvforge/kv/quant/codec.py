@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kvforge.kv.layer_format import RawSide
+
 Layout = list[tuple[tuple[int, ...], torch.dtype]]
 
 
@@ -31,3 +33,7 @@ class Codec(ABC):
 
     def block_bytes(self, block_size: int, heads: int, dim: int) -> int:
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.layout(block_size, heads, dim))
+
+    def raw_side(self, parts: list[torch.Tensor]) -> RawSide | None:
+        """This codec's stored parts for in-place decoding operators (kvforge.ops); None if it has no such view."""
+        return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kv.layer_format import LayerKV
+from kvforge.kv.layer_format import LayerKV, RawKV
 from kvforge.kv.quant.codec import Codec
 from kvforge.kv.quant.sidetable import SideTable
 from kvforge.kv.spec import KVCacheSpec
@@ -135,13 +135,24 @@ class QuantLayerKV(LayerKV):
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bids = block_ids.long()
         out = [c.decode([p.index_select(0, bids) for p in ps]) for c, ps in zip(self.codecs, self.parts)]
-        for table, exact, n in ((self.stage, self.stage_rows, self.bs), (self.sink, self.sink_rows, self.sinks)):
-            if table is None:
-                continue
-            e = table.lookup(bids)
-            hit = e >= 0
-            if bool(hit.any()):
-                for x, s in zip(out, exact):
-                    x[hit, :n] = s[e[hit]].float()
+        for table, exact in ((self.stage, self.stage_rows), (self.sink, self.sink_rows)):
+            if table is not None:
+                overlay_exact(out, table.lookup(bids), exact)
         out = [x.flatten(0, 1) for x in out]
         return out[0], (out[1] if len(out) > 1 else None)
+
+    def raw(self) -> RawKV | None:
+        sides = [c.raw_side(ps) for c, ps in zip(self.codecs, self.parts)]
+        if len(sides) < 2 or None in sides:
+            return None
+        stage = [self.stage.entry_of, *self.stage_rows] if self.stage is not None else []
+        sink = [self.sink.entry_of, *self.sink_rows] if self.sink is not None else []
+        return RawKV(sides[0], sides[1], stage, sink)
+
+
+def overlay_exact(decoded: list[torch.Tensor], entries: torch.Tensor, exact: list[torch.Tensor]) -> None:
+    """Blocks with an entry (entries[i] >= 0) take that entry's exact rows over their first rows."""
+    hit = entries >= 0
+    if bool(hit.any()):
+        for x, s in zip(decoded, exact):
+            x[hit, : s.shape[1]] = s[entries[hit]].float()

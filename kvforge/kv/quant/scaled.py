@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.kv.layer_format import RawSide
 from kvforge.kv.quant.codec import Codec, Layout
 from kvforge.kv.quant.packing import byte_table, read_bytes
 
@@ -39,3 +40,6 @@ class ScaledCodec(Codec):
     def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
         codes, scale = parts
         return self._values(codes).mul_(scale.unsqueeze(-1))
+
+    def raw_side(self, parts: list[torch.Tensor]) -> RawSide:
+        return RawSide("scaled", parts)

@@ -15,8 +15,9 @@ import math
 
 import torch
 
+from kvforge.kv.layer_format import RawSide
 from kvforge.kv.quant.codec import Codec, Layout
-from kvforge.kv.quant.packing import pack, unpack
+from kvforge.kv.quant.packing import byte_table, pack, unpack
 
 PARAM_DTYPE = torch.float16
 MIN_SCALE = 1e-6
@@ -136,3 +137,14 @@ class UniformCodec(Codec):
         if len(parts) > 1 + self.num_params:
             x.view(x.shape[0], -1).scatter_(1, parts[-2].long(), parts[-1].float())
         return x
+
+    def raw_side(self, parts: list[torch.Tensor]) -> RawSide:
+        """[codes, scale, zero, ends, outlier index, outlier value, scale table], absent parts empty."""
+        empty = parts[0].new_empty(0)
+        params = parts[1: 1 + self.num_params]
+        ends = params[2] if self.coded_zero else empty
+        outliers = parts[1 + self.num_params:] or [empty, empty]
+        table = byte_table(("scale", self.param_bits), parts[0].device, self._decode_scale) \
+            if self.param_bits == 8 else empty
+        return RawSide(f"uniform_{self.axis}", [parts[0], params[0], params[1], ends, *outliers, table],
+                       self.bits, self.group_size)

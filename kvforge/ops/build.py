@@ -1,0 +1,74 @@
+"""Build and load the compiled CPU operators (C++ through torch's extension tooling), once per process.
+
+The shared library is built on first use (or by `make install`) into
+`$XDG_CACHE_HOME/kvforge/ops/<key>` (default ~/.cache), keyed by the sources, torch, Python and the CPU's
+flags (it is built with -march=native). `KVFORGE_OPS=torch` skips it; without a compiler, or if the
+build fails, the engine runs the torch path and says so once.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvforge.ops")
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("paged_decode.cpp", "tiles.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+def disabled() -> bool:
+    return os.environ.get("KVFORGE_OPS", "").lower() == "torch"
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "kvforge" / "ops" / build_key()
+
+
+def build_key() -> str:
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        h.update(path.name.encode() + path.read_bytes())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{FLAGS}|{_cpu_flags()}".encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def load_compiled() -> bool:
+    """True when the compiled CPU kernels are registered (built now if needed); False means torch path."""
+    if disabled():
+        log.info("kvforge ops: KVFORGE_OPS=torch, using the torch reference path")
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # venv ninja
+        directory, name = cache_dir(), f"kvforge_ops_{build_key()}"
+        library = directory / f"{name}.so"
+        if library.exists() and not (directory / "lock").exists():  # built before, no build under way
+            torch.ops.load_library(str(library))
+            return True
+        directory.mkdir(parents=True, exist_ok=True)
+        load(name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
+             extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return True
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:  # no compiler/ninja, failed build
+        log.warning("kvforge ops: compiled CPU kernels unavailable (%s: %s); using the torch reference path",
+                    type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return False
+

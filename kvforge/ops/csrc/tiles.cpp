@@ -1,0 +1,210 @@
+#include "tiles.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "vmath.h"
+
+namespace kvforge {
+namespace {
+
+constexpr float MIN_ZERO_STEP = 1e-6f;  // uniform.py MIN_SCALE: floor of the per-head zero grid's step
+
+const uint8_t* bytes(const at::Tensor& t) {
+  return t.numel() ? static_cast<const uint8_t*>(t.data_ptr()) : nullptr;
+}
+
+// Byte -> its 8 / BITS codes as floats, one table per width (as packing.py reads codes on the torch path).
+template <int BITS>
+struct Unpacker {
+  static constexpr int per = 8 / BITS;
+  float values[256][per];
+  Unpacker() {
+    for (int v = 0; v < 256; ++v)
+      for (int j = 0; j < per; ++j) values[v][j] = static_cast<float>((v >> (j * BITS)) & ((1 << BITS) - 1));
+  }
+  // out[c] = code[c] * s[c] + z[c]
+  void operator()(const uint8_t* src, int64_t nbytes, float* out, const float* s, const float* z) const {
+    int64_t i = 0;
+#ifdef __AVX2__
+    if constexpr (BITS == 2 || BITS == 4) i = unpack_simd<BITS>(src, nbytes, out, s, z);
+#endif
+    for (; i < nbytes; ++i)
+      for (int j = 0; j < per; ++j) out[i * per + j] = values[src[i]][j] * s[i * per + j] + z[i * per + j];
+  }
+};
+
+float half_at(const uint8_t* p, int64_t i) { return static_cast<float>(reinterpret_cast<const c10::Half*>(p)[i]); }
+
+}  // namespace
+
+Side::Side(int64_t kind_, int64_t bits_, int64_t group_, int64_t bs_, int64_t heads_, int64_t dim_,
+           const std::vector<at::Tensor>& parts)
+    : kind(kind_), bits(bits_), group(group_), dim(dim_), heads(heads_), bs(bs_) {
+  TORCH_CHECK(!parts.empty() && parts[0].is_contiguous(), "paged_decode: codes must be contiguous");
+  dtype = parts[0].scalar_type();
+  data = bytes(parts[0]);
+  if (kind == SCALED) {
+    row_scale = reinterpret_cast<const c10::Half*>(bytes(parts[1]));
+    TORCH_CHECK(dtype == at::kChar || dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2,
+                "paged_decode: scaled codes must be int8, float8_e4m3fn or float8_e5m2");
+  } else if (kind == UNIFORM_TOKEN || kind == UNIFORM_CHANNEL) {
+    scale = bytes(parts[1]);
+    scale_coded = parts[1].scalar_type() == at::kByte;
+    zero = bytes(parts[2]);
+    zero_coded = parts[2].scalar_type() == at::kByte;
+    ends = reinterpret_cast<const c10::Half*>(bytes(parts[3]));
+    out_index = bytes(parts[4]);
+    index32 = parts[4].scalar_type() == at::kInt;
+    out_value = reinterpret_cast<const c10::Half*>(bytes(parts[5]));
+    n_out = parts[4].numel() ? parts[4].size(1) : 0;
+    if (scale_coded) std::copy_n(parts[6].data_ptr<float>(), 256, table);
+  }
+}
+
+const float* Side::tile(int64_t b, int64_t h, int64_t r0, int64_t r1, float* scratch, int64_t* ld) const {
+  *ld = dim;
+  const int64_t first = (b * bs * heads + h) * dim;  // element offset of row 0 of head h
+  if (kind == PLAIN) {
+    if (dtype == at::kFloat) {
+      *ld = heads * dim;
+      return reinterpret_cast<const float*>(data) + first;
+    }
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(data) + first;
+    for (int64_t r = r0; r < r1; ++r) {
+      if (dtype == at::kHalf) half_to_float(src + r * heads * dim, scratch + r * dim, dim);
+      else bf16_to_float(src + r * heads * dim, scratch + r * dim, dim);
+    }
+    return scratch;
+  }
+  if (kind == SCALED) scaled_rows(b, h, r0, r1, scratch);
+  else uniform_rows(b, h, r0, r1, scratch);
+  if (n_out) outliers(b, h, r0, r1, scratch);
+  return scratch;
+}
+
+namespace {
+void prefetch_range(const uint8_t* p, int64_t n) {
+  if (p == nullptr) return;
+  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i);
+}
+}  // namespace
+
+void Side::prefetch(int64_t b, int64_t h) const {
+  const int64_t rb = row_bytes();
+  for (int64_t r = 0; r < bs; ++r) prefetch_range(data + ((b * bs + r) * heads + h) * rb, rb);
+  if (kind == SCALED) prefetch_range(reinterpret_cast<const uint8_t*>(row_scale + b * bs * heads), bs * heads * 2);
+  if (kind == UNIFORM_TOKEN) {
+    const int64_t n = bs * heads * (dim / group), at = b * n;
+    prefetch_range(scale + at * (scale_coded ? 1 : 2), n * (scale_coded ? 1 : 2));
+    prefetch_range(zero + at * 2, n * 2);
+  } else if (kind == UNIFORM_CHANNEL) {
+    const int64_t at = (b * heads + h) * dim;
+    prefetch_range(scale + at * (scale_coded ? 1 : 2), dim * (scale_coded ? 1 : 2));
+    prefetch_range(zero + at * (zero_coded ? 1 : 2), dim * (zero_coded ? 1 : 2));
+  }
+  if (n_out) {
+    prefetch_range(out_index + b * n_out * (index32 ? 4 : 2), n_out * (index32 ? 4 : 2));
+    prefetch_range(reinterpret_cast<const uint8_t*>(out_value + b * n_out), n_out * 2);
+  }
+}
+
+void Side::scaled_rows(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t row = (b * bs + r) * heads + h;
+    const uint8_t* src = data + row * dim;
+    const float s = static_cast<float>(row_scale[row]);
+    float* o = out + r * dim;
+    if (dtype == at::kChar) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(src);
+      for (int64_t c = 0; c < dim; ++c) o[c] = static_cast<float>(q[c]) * s;
+    } else if (dtype == at::kFloat8_e4m3fn) {
+      for (int64_t c = 0; c < dim; ++c) o[c] = fp8_to_float<3, 7>(src[c]) * s;
+    } else {
+      for (int64_t c = 0; c < dim; ++c) o[c] = fp8_to_float<2, 15>(src[c]) * s;
+    }
+  }
+}
+
+void Side::uniform_rows(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
+  switch (bits) {
+    case 1: return uniform_rows_of<1>(b, h, r0, r1, out);
+    case 2: return uniform_rows_of<2>(b, h, r0, r1, out);
+    case 4: return uniform_rows_of<4>(b, h, r0, r1, out);
+    default: return uniform_rows_of<8>(b, h, r0, r1, out);
+  }
+}
+
+template <int BITS>
+void Side::uniform_rows_of(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
+  static const Unpacker<BITS> unpack;
+  const int64_t rb = row_bytes();
+  float s[512], z[512];  // per channel: the block's parameters (keys) or the row's groups' (values)
+  TORCH_CHECK(dim <= 512, "paged_decode: uniform codes need head_dim <= 512");
+  if (kind == UNIFORM_TOKEN) {
+    const int64_t groups = dim / group;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t row = (b * bs + r) * heads + h;
+      for (int64_t j = 0; j < groups; ++j) {
+        const int64_t p = row * groups + j;
+        std::fill_n(s + j * group, group, scale_coded ? table[scale[p]] : half_at(scale, p));
+        std::fill_n(z + j * group, group, half_at(zero, p));
+      }
+      unpack(data + row * rb, rb, out + r * dim, s, z);
+    }
+    return;
+  }
+  const int64_t p = (b * heads + h) * dim;
+  float base = 0.f, step = 0.f;
+  if (zero_coded) {
+    base = static_cast<float>(ends[(b * heads + h) * 2]);
+    step = std::max((static_cast<float>(ends[(b * heads + h) * 2 + 1]) - base) / 255.f, MIN_ZERO_STEP);
+  }
+  if (scale_coded) {
+    for (int64_t c = 0; c < dim; ++c) s[c] = table[scale[p + c]];
+  } else {
+    half_to_float(reinterpret_cast<const uint16_t*>(scale) + p, s, dim);
+  }
+  if (zero_coded) {
+    for (int64_t c = 0; c < dim; ++c) z[c] = base + static_cast<float>(zero[p + c]) * step;
+  } else {
+    half_to_float(reinterpret_cast<const uint16_t*>(zero) + p, z, dim);
+  }
+  for (int64_t r = r0; r < r1; ++r) unpack(data + ((b * bs + r) * heads + h) * rb, rb, out + r * dim, s, z);
+}
+
+void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
+  // flat index = (row * heads + head) * dim + channel. Values of other heads' rows and of rows outside
+  // [r0, r1) land in the spill row past the tile, so the loop has no branch to mispredict.
+  int32_t offset[1024];
+  TORCH_CHECK(bs * heads <= 1024, "paged_decode: outliers need block_size * kv_heads <= 1024");
+  for (int64_t r = 0; r < bs; ++r)
+    for (int64_t hh = 0; hh < heads; ++hh)
+      offset[r * heads + hh] = static_cast<int32_t>((hh == h && r >= r0 && r < r1 ? r : bs) * dim);
+  const uint32_t d = static_cast<uint32_t>(dim);
+  const int shift = (dim & (dim - 1)) == 0 ? __builtin_ctzll(dim) : -1;
+  for (int64_t i = 0; i < n_out; ++i) {
+    const int64_t at = b * n_out + i;
+    const uint32_t flat = index32 ? reinterpret_cast<const int32_t*>(out_index)[at]
+                                  : reinterpret_cast<const int16_t*>(out_index)[at];
+    const uint32_t rh = shift >= 0 ? flat >> shift : flat / d;
+    out[offset[rh] + (flat - rh * d)] = static_cast<float>(out_value[at]);
+  }
+}
+
+Overlay::Overlay(const at::Tensor& entry, const at::Tensor& exact)
+    : entry_of(entry.data_ptr<int32_t>()),
+      rows(reinterpret_cast<const c10::Half*>(exact.data_ptr())),
+      n(exact.size(1)),
+      heads(exact.size(2)),
+      dim(exact.size(3)) {}
+
+bool Overlay::apply(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
+  const int32_t e = entry_of[b];
+  if (e < 0) return false;
+  for (int64_t r = r0; r < std::min(r1, n); ++r)
+    half_to_float(reinterpret_cast<const uint16_t*>(rows) + ((e * n + r) * heads + h) * dim, out + r * dim, dim);
+  return true;
+}
+
+}  // namespace kvforge

@@ -1,0 +1,132 @@
+// exp(x) for x <= 0 written so that gcc vectorizes loops over it (libm's expf stays scalar without
+// -ffast-math): range reduction by ln 2, a degree-6 polynomial, and the exponent set through its bits.
+// Relative error ~2e-7 over [-87, 0]; below that the result is 0 (as expf's, for softmax purposes).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace kvforge {
+
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.f;  // 1.5 * 2**23: adding and subtracting it rounds to an integer
+  x = x < -87.f ? -87.f : x;
+  const float n = (x * kLog2e + kRound) - kRound;
+  const float f = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * f + 1.3981999507e-3f;
+  p = p * f + 8.3334519073e-3f;
+  p = p * f + 4.1665795894e-2f;
+  p = p * f + 1.6666665459e-1f;
+  p = p * f + 5.0000001201e-1f;
+  p = p * f * f + f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace kvforge
+
+#include <c10/util/Half.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace kvforge {
+
+// fp16 -> fp32 (F16C where the CPU has it; c10::Half's bit arithmetic does not vectorize).
+inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = c10::detail::fp16_ieee_to_fp32_value(src[i]);
+}
+
+inline void bf16_to_float(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= n; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(float));
+  }
+}
+
+// A finite float8 byte (MANT mantissa bits, exponent bias BIAS) -> fp32, branch-free so loops vectorize.
+template <int MANT, int BIAS>
+inline float fp8_to_float(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24, em = b & 0x7F;
+  const uint32_t normal = sign | ((em << (23 - MANT)) + (static_cast<uint32_t>(127 - BIAS) << 23));
+  float n, sub = static_cast<float>(em) * (1.f / static_cast<float>(1u << (BIAS + MANT - 1)));
+  std::memcpy(&n, &normal, sizeof n);
+  sub = sign ? -sub : sub;
+  return em >= (1u << MANT) ? n : sub;
+}
+
+#ifdef __AVX2__
+// Packed 4-bit or 2-bit codes, the lowest bits first (as packing.py packs them).
+// 16 byte codes -> out[i] = code[i] * s[i] + z[i] (written once: no narrower store is read back wider)
+inline void store_codes(__m128i codes, float* out, const float* s, const float* z) {
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+  _mm256_storeu_ps(out, _mm256_fmadd_ps(lo, _mm256_loadu_ps(s), _mm256_loadu_ps(z)));
+  _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(z + 8)));
+}
+
+// Packed codes -> code * s + z per element, 16 source bytes at a time; returns the bytes done.
+template <int BITS>
+inline int64_t unpack_simd(const uint8_t* src, int64_t nbytes, float* out, const float* s, const float* z) {
+  const __m128i mask = _mm_set1_epi8((1 << BITS) - 1);
+  int64_t i = 0;
+  for (; i + 16 <= nbytes; i += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    if constexpr (BITS == 4) {
+      const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+      store_codes(_mm_unpacklo_epi8(lo, hi), out + i * 2, s + i * 2, z + i * 2);
+      store_codes(_mm_unpackhi_epi8(lo, hi), out + i * 2 + 16, s + i * 2 + 16, z + i * 2 + 16);
+    } else {
+      const __m128i c0 = _mm_and_si128(v, mask), c1 = _mm_and_si128(_mm_srli_epi16(v, 2), mask);
+      const __m128i c2 = _mm_and_si128(_mm_srli_epi16(v, 4), mask), c3 = _mm_and_si128(_mm_srli_epi16(v, 6), mask);
+      const __m128i t0 = _mm_unpacklo_epi8(c0, c1), t1 = _mm_unpackhi_epi8(c0, c1);
+      const __m128i t2 = _mm_unpacklo_epi8(c2, c3), t3 = _mm_unpackhi_epi8(c2, c3);
+      store_codes(_mm_unpacklo_epi16(t0, t2), out + i * 4, s + i * 4, z + i * 4);
+      store_codes(_mm_unpackhi_epi16(t0, t2), out + i * 4 + 16, s + i * 4 + 16, z + i * 4 + 16);
+      store_codes(_mm_unpacklo_epi16(t1, t3), out + i * 4 + 32, s + i * 4 + 32, z + i * 4 + 32);
+      store_codes(_mm_unpackhi_epi16(t1, t3), out + i * 4 + 48, s + i * 4 + 48, z + i * 4 + 48);
+    }
+  }
+  return i;
+}
+#endif
+
+#ifdef __AVX2__
+// out[i] = dot(q, k + i * ld) for 8 rows, D a multiple of 8: each row's products stay in vector lanes and
+// the 8 horizontal sums are done together (one transposing reduction instead of 8).
+template <int D>
+inline void dot8(const float* q, const float* k, int64_t ld, float* out) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k + i * ld));
+    __m256 b = _mm256_setzero_ps();
+    for (int c = 8; c + 8 <= D; c += 16) {
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + i * ld + c), b);
+      if (c + 16 <= D) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + i * ld + c + 8), a);
+    }
+    acc[i] = _mm256_add_ps(a, b);
+  }
+  const __m256 a01 = _mm256_hadd_ps(acc[0], acc[1]), a23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 a45 = _mm256_hadd_ps(acc[4], acc[5]), a67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 lo = _mm256_hadd_ps(a01, a23), hi = _mm256_hadd_ps(a45, a67);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
+}
+#endif
+
+}  // namespace kvforge
