@@ -249,7 +249,7 @@ def test_prior_losses_are_the_measured_table_in_docs_results():
     table = text[text.index("## KV quantization"):]
     measured = {}
     for row in re.finditer(r"^\| (fp32|fp16|bf16|int8|fp8_e4m3|fp8_e5m2|int4|kivi2)\b[^|]*\|([^|]*\|){3} *\**([+-]?[\d.]+)%?\**",
-                           table, re.M):
+                           table, re.MULTILINE):
         measured.setdefault(row.group(1), float(row.group(3)))
     assert set(measured) == set(PRIOR_LOSS)
     assert measured == pytest.approx(PRIOR_LOSS, abs=1e-9)

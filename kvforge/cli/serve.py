@@ -54,10 +54,10 @@ def startup_lines(engine, model_name: str, url: str) -> list[str]:
     cfg = engine.config
     return [
         f"model: {model_name} ({engine.loaded.path}), max_model_len {engine.max_model_len:,} tokens, device {engine.device}",
-        f"KV cache: {s['kv_cache_dtype']} ({per_token:,.0f} bytes/token), {cfg.kv_layout} layout, "
-        f"{s['kv_blocks_total']:,} blocks of {s['kv_block_size']} tokens = {s['kv_bytes_total'] / 2**20:,.1f} MiB "
-        f"({s['kv_blocks_total'] * s['kv_block_size']:,} tokens), policy {engine.policy.name}, "
-        f"prefix caching {'on' if engine.kv.prefix_tree is not None else 'off'}",
+        (f"KV cache: {s['kv_cache_dtype']} ({per_token:,.0f} bytes/token), {cfg.kv_layout} layout, "
+         f"{s['kv_blocks_total']:,} blocks of {s['kv_block_size']} tokens = {s['kv_bytes_total'] / 2**20:,.1f} MiB "
+         f"({s['kv_blocks_total'] * s['kv_block_size']:,} tokens), policy {engine.policy.name}, "
+         f"prefix caching {'on' if engine.kv.prefix_tree is not None else 'off'}"),
         f"serving the OpenAI API at {url}/v1 (max_num_seqs {cfg.max_num_seqs})",
     ]
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from reuse_model import reuse_loaded_smollm2  # noqa: F401  (autouse fixture)
+
 from kvforge.cli import main
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
@@ -63,9 +63,9 @@ def test_system_stop_and_n_samples(capsys, offline, smol_loaded):
     assert json.loads(out)["text"] == expected[0].text
     full = offline.chat([{"role": "user", "content": QUESTION}], greedy())[0].text
     stop = full.split()[2]  # a word in the middle of the greedy answer
-    rc, out, _ = run_cli(capsys, QUESTION, "--stop", stop, "--temperature", "0", "--max-tokens", "12")
+    _, out, _ = run_cli(capsys, QUESTION, "--stop", stop, "--temperature", "0", "--max-tokens", "12")
     assert out == full[: full.index(stop)] + "\n"
-    rc, out, _ = run_cli(capsys, "Once upon a time", "--raw", "-n", "3", "--seed", "5", "--max-tokens", "8", "--json")
+    _, out, _ = run_cli(capsys, "Once upon a time", "--raw", "-n", "3", "--seed", "5", "--max-tokens", "8", "--json")
     body = json.loads(out)
     samples = [s["text"] for s in body["samples"]]
     again = offline.generate("Once upon a time", SamplingParams(n=3, seed=5, max_tokens=8))[0].outputs

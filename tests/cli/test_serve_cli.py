@@ -4,9 +4,9 @@ from __future__ import annotations
 import socket
 
 import pytest
+from reuse_model import reuse_loaded_smollm2  # noqa: F401  (autouse fixture)
 
 import kvforge.engine.engine as engine_module
-from reuse_model import reuse_loaded_smollm2  # noqa: F401  (autouse fixture)
 from kvforge.cli import main
 from kvforge.cli.serve import startup_lines
 from kvforge.config import EngineConfig

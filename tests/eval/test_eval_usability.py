@@ -19,8 +19,8 @@ def test_ppl_eval_logs_its_plan_shows_bars_and_runs_the_bounded_agreement(smol_l
     r = ppl_eval(smol_loaded, load_text("hamlet", None), max_tokens=160, agreement_prompts=12, agreement_tokens=16, progress=True,
                  log=said.append, kv_cache_dtype="int8")
     assert r["tokens"] == 160 and r["greedy"]["prompts"] == 1
-    assert said == ["scoring 160 tokens with the fp32 full cache, then with the technique; then 1 greedy agreement "
-                    "prompts x 16 tokens on both"]
+    assert said == [("scoring 160 tokens with the fp32 full cache, then with the technique; then 1 greedy agreement "
+                     "prompts x 16 tokens on both")]
     err = capsys.readouterr().err
     for label in ("perplexity, fp32 baseline", "perplexity, technique", "greedy agreement, baseline"):
         assert f"{label}: [{'#' * 24}]" in err  # each bar reached its end
