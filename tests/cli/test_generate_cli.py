@@ -58,7 +58,7 @@ def test_prompt_from_stdin_file_and_option_agree(capsys, offline, smol_loaded, t
 
 def test_system_stop_and_n_samples(capsys, offline, smol_loaded):
     system = "You answer in French."
-    rc, out, _ = run_cli(capsys, QUESTION, "--system", system, "--temperature", "0", "--max-tokens", "12", "--json")
+    _, out, _ = run_cli(capsys, QUESTION, "--system", system, "--temperature", "0", "--max-tokens", "12", "--json")
     expected = offline.chat([{"role": "system", "content": system}, {"role": "user", "content": QUESTION}], greedy())
     assert json.loads(out)["text"] == expected[0].text
     full = offline.chat([{"role": "user", "content": QUESTION}], greedy())[0].text
