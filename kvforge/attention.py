@@ -71,8 +71,9 @@ class AttentionMetadata:
         q_index = torch.tensor([self.query_start_loc[i] for i in rows])
         return table.to(device), valid.to(device), q_index.to(device)
 
-    def multi_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Rows of a few queries in one padded batch: (rows, table [B, W], mask [B, M, keys], query index [B, M]).
+    def multi_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Rows of a few queries in one padded batch: (rows, table [B, W], mask [B, M, keys], query index [B, M],
+        keys each query sees [B, M]).
         Query j of a row sees its causal prefix; rows shorter than M repeat their last query (same result)."""
         if self._multi_cache is None and self.multi_rows:
             rows = self.multi_rows
@@ -90,7 +91,7 @@ class AttentionMetadata:
             valid = key_pos[None, None, :] < q_ctx[:, :, None]
             if self.sliding_window:
                 valid &= key_pos[None, None, :] >= (q_ctx[:, :, None] - self.sliding_window)
-            self._multi_cache = [(rows, table.to(device), valid.to(device), q_index.to(device))]
+            self._multi_cache = [(rows, table.to(device), valid.to(device), q_index.to(device), q_ctx)]
         return self._multi_cache or []
 
     def prefill_layout(self, i: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +117,8 @@ def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: floa
             if out is None:
                 out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
             out[q_index] = dec
-    for rows, table, valid, q_index in meta.multi_groups(q.device):
-        dec = _decode_multi(q, cache, meta, scale, rows, table, valid, q_index)
+    for rows, table, valid, q_index, q_ctx in meta.multi_groups(q.device):
+        dec = _decode_multi(q, cache, meta, scale, rows, table, valid, q_index, q_ctx)
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
         out[q_index.flatten()] = dec
@@ -155,10 +156,15 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
 
 
 def _decode_multi(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rows: list[int],
-                  table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor) -> torch.Tensor:
+                  table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor, q_ctx: torch.Tensor) -> torch.Tensor:
     """As _decode, with M queries per row: [B * M, heads, v_dim] in q_index order."""
     b, width = table.shape
     m = q_index.shape[1]
+    if not meta.stats:  # the compiled operator: each query is a decode row over its own causal prefix
+        out = paged_decode(q[q_index.flatten()], cache, table.repeat_interleave(m, 0), q_ctx.flatten(), scale,
+                           meta.sliding_window)
+        if out is not None:
+            return out
     k, v = cache.gather(table.flatten())
     kv_heads, length = k.shape[1], width * meta.block_size
     k, v = k.view(b, length, kv_heads, -1), v.view(b, length, kv_heads, -1)

@@ -12,11 +12,11 @@ PROMPTS = [[(7 * i + j) % 90 + 3 for j in range(5 + 9 * i)] for i in range(4)]
 FORMATS = [("fp32", {}), ("bf16", {}), ("int4", {"group_size": 16}), ("kivi2", {"group_size": 16, "window": 8})]
 
 
-def generate(loaded, fmt, opts):
+def generate(loaded, fmt, opts, speculative=None, prompts=PROMPTS):
     config = EngineConfig(block_size=8, max_model_len=96, kv_cache_dtype=fmt, kv_cache_options=opts,
-                          kv_cache_memory=1 << 22, enable_prefix_caching=False)
+                          kv_cache_memory=1 << 22, enable_prefix_caching=False, speculative=speculative)
     engine = LLMEngine(config, loaded)
-    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
@@ -43,3 +43,23 @@ def test_greedy_same_with_and_without_compiled_decode(tiny_loaded, monkeypatch, 
     off = generate(tiny_loaded, fmt, opts)
     assert calls and not any(calls)
     assert on == off
+
+
+def test_speculative_verification_rows_through_the_operator(tiny_loaded, monkeypatch):
+    """Rows of several queries go through the operator one query at a time, each over its causal prefix."""
+    if not load_compiled():
+        pytest.skip("no compiled kvforge ops on this machine")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    prompts = [[5, 6, 7, 8, 9, 10] * 4, [11, 12, 13, 14] * 5 + [3]]
+    rows = []
+    compiled = attention.paged_decode
+
+    def counted(q, *args):
+        rows.append(q.shape[0])
+        return compiled(q, *args)
+
+    monkeypatch.setattr(attention, "paged_decode", counted)
+    on = generate(tiny_loaded, "int8", {}, spec, prompts)
+    assert max(rows) > len(prompts)  # some call carried a sequence's several verification queries
+    monkeypatch.setenv("KVFORGE_OPS", "torch")
+    assert on == generate(tiny_loaded, "int8", {}, spec, prompts) == generate(tiny_loaded, "int8", {}, None, prompts)
