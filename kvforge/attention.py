@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kv.layer_format import LayerKV
-from kvforge.kv.policies.stats import AttentionStats, record_decode, record_multi, record_prefill
+from kvforge.kv.policies.stats import AttentionStats, record_multi, record_prefill
 from kvforge.ops import paged_decode
 
 DECODE_BUCKETS = 4
@@ -49,8 +49,9 @@ class AttentionMetadata:
         self._multi_cache = None
         self._prefill_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def decode_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Decode rows bucketed by length (rows, table, mask, query index), so short rows are not padded to long ones."""
+    def decode_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Decode rows bucketed by length (rows, table, mask, query index, context lengths), so short rows are not
+        padded to long ones."""
         if self._groups_cache is None:
             rows = sorted(self.decode_rows, key=lambda i: len(self.block_tables[i]))
             size = max(8, -(-len(rows) // DECODE_BUCKETS))
@@ -58,7 +59,7 @@ class AttentionMetadata:
                                   for part in (rows[s: s + size] for s in range(0, len(rows), size))]
         return self._groups_cache
 
-    def _layout(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _layout(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(len(self.block_tables[i]) for i in rows)
         table = torch.zeros(len(rows), width, dtype=torch.long)
         for r, i in enumerate(rows):
@@ -69,7 +70,7 @@ class AttentionMetadata:
         if self.sliding_window:
             valid &= key_pos[None, :] >= (ctx[:, None] - self.sliding_window)
         q_index = torch.tensor([self.query_start_loc[i] for i in rows])
-        return table.to(device), valid.to(device), q_index.to(device)
+        return table.to(device), valid.to(device), q_index.to(device), ctx
 
     def multi_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Rows of a few queries in one padded batch: (rows, table [B, W], mask [B, M, keys], query index [B, M],
@@ -111,14 +112,10 @@ class AttentionMetadata:
 def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, dim] -> [T, heads, v_dim] attention output over the cached history."""
     out = None
-    if meta.decode_rows:
-        for rows, table, valid, q_index in meta.decode_groups(q.device):
-            dec = _decode(q, cache, meta, scale, rows, table, valid, q_index)
-            if out is None:
-                out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
-            out[q_index] = dec
-    for rows, table, valid, q_index, q_ctx in meta.multi_groups(q.device):
-        dec = _decode_multi(q, cache, meta, scale, rows, table, valid, q_index, q_ctx)
+    one_query = [(rows, table, valid[:, None], q_index[:, None], ctx[:, None])
+                 for rows, table, valid, q_index, ctx in meta.decode_groups(q.device)]
+    for rows, table, valid, q_index, q_ctx in one_query + meta.multi_groups(q.device):
+        dec = _decode(q, cache, meta, scale, rows, table, valid, q_index, q_ctx)
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
         out[q_index.flatten()] = dec
@@ -132,37 +129,14 @@ def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: floa
 
 
 def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rows: list[int],
-            table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor) -> torch.Tensor:
-    if not meta.stats:  # KV policies read the probabilities, which only this torch path keeps
-        out = paged_decode(q[q_index], cache, table, [meta.context_lens[i] for i in rows], scale, meta.sliding_window)
-        if out is not None:
-            return out
-    b, width = table.shape
-    k, v = cache.gather(table.flatten())
-    kv_heads, length = k.shape[1], width * meta.block_size
-    k, v = k.view(b, length, kv_heads, -1), v.view(b, length, kv_heads, -1)
-    qd = q[q_index].view(b, kv_heads, -1, q.shape[-1])  # [B, kvh, group, d]
-    mask = ~valid[:, None, :]
-    out, acc = [], None
-    for h in range(kv_heads):  # strided per-head views: no copy of the gathered K/V
-        scores = torch.bmm(qd[:, h], k[:, :, h].transpose(1, 2)) * scale
-        probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
-        out.append(torch.bmm(probs, v[:, :, h]))
-        if meta.stats:
-            acc = probs.sum(1) if acc is None else acc + probs.sum(1)
-    if acc is not None:
-        record_decode(meta.stats, rows, acc, meta.context_lens)
-    return torch.stack(out, 1).reshape(b, -1, v.shape[-1])
-
-
-def _decode_multi(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rows: list[int],
-                  table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor, q_ctx: torch.Tensor) -> torch.Tensor:
-    """As _decode, with M queries per row: [B * M, heads, v_dim] in q_index order."""
+            table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor, q_ctx: torch.Tensor) -> torch.Tensor:
+    """Rows of M queries each (M = 1 for plain decode), padded into one batch: valid [B, M, keys], q_index and
+    q_ctx (keys each query sees) [B, M] -> [B * M, heads, v_dim] in q_index order."""
     b, width = table.shape
     m = q_index.shape[1]
-    if not meta.stats:  # the compiled operator: each query is a decode row over its own causal prefix
-        out = paged_decode(q[q_index.flatten()], cache, table.repeat_interleave(m, 0), q_ctx.flatten(), scale,
-                           meta.sliding_window)
+    if not meta.stats:  # the compiled operator (KV policies read probabilities, which only the torch path keeps)
+        out = paged_decode(q[q_index.flatten()], cache, table if m == 1 else table.repeat_interleave(m, 0),
+                           q_ctx.flatten(), scale, meta.sliding_window)
         if out is not None:
             return out
     k, v = cache.gather(table.flatten())

@@ -156,7 +156,7 @@ def attend_latent(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scal
     Scores are exactly those of the unabsorbed attention, so KV policies get them (meta.stats) unchanged.
     """
     out = q.new_empty(q.shape[0], q.shape[1], rank)
-    for seqs, table, valid, q_index in meta.decode_groups(q.device):
+    for seqs, table, valid, q_index, _ in meta.decode_groups(q.device):
         b, width = table.shape
         rows = cache.gather(table.flatten())[0].view(b, width * meta.block_size, -1).to(q.dtype)
         scores = torch.bmm(q[q_index], rows.transpose(1, 2)) * scale  # [B, heads, L]
