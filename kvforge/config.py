@@ -72,7 +72,7 @@ class EngineConfig:
 
 def check_max_model_len(max_model_len: int, context: int, policy) -> None:
     """Refuse a max_model_len beyond the model's context unless the KV policy keeps RoPE positions bounded."""
-    if max_model_len <= context or (policy.evicts and policy.rope_by_cache_index):
+    if max_model_len <= context or policy.unbounded_context:
         return
     raise ConfigError(
         f"max_model_len={max_model_len} is more than the model's context of {context} tokens (max_position_embeddings); "

@@ -59,7 +59,7 @@ class LLMEngine:
         if self.policy.evicts:
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
-        self.length_limit = 2**62 if self.policy.rope_by_cache_index and self.policy.evicts else self.max_model_len
+        self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if config.speculative:
             self.runner.speculator = SpeculativeDecoder(SpeculativeConfig.parse(config.speculative), self.length_limit,
                                                         self.runner.evictor)

@@ -77,6 +77,11 @@ class KVPolicy:
     def evicts(self) -> bool:
         return self.budget is not None
 
+    @property
+    def unbounded_context(self) -> bool:
+        """Sequences may run past the model's context: the cache is bounded and RoPE positions are cache indices."""
+        return self.evicts and self.rope_by_cache_index
+
     def budget_for(self, num_tokens: int) -> int:
         """Tokens to keep for a sequence that has seen num_tokens."""
         if isinstance(self.budget, float):
