@@ -61,11 +61,15 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from kvforge.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM
+    if cfg.arch in ("gemma2", "gemma3"):
+        from kvforge.models.gemma import GemmaForCausalLM
+
+        return GemmaForCausalLM
     if cfg.arch in ("deepseek_v2", "deepseek_v3"):
         from kvforge.models.deepseek import DeepseekForCausalLM
 
         return DeepseekForCausalLM
-    raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, deepseek_v2, deepseek_v3")
+    raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, gemma2, gemma3, deepseek_v2, deepseek_v3")
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
