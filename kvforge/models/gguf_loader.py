@@ -1,7 +1,7 @@
 """load_gguf: a GGUF file -> ModelConfig, fp32 weights under Hugging Face names, Tokenizer.
 
 The header is parsed here (every read bounds-checked, so a bad file gives a ModelLoadError, not a
-struct or numpy error); tensor data is memory-mapped and dequantized with `gguf.quants`.
+struct or numpy error); tensor data is memory-mapped and dequantized by `gguf_quants` (torch) or, for other block types, `gguf.quants`.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from gguf.quants import dequantize
 
 from kvforge.errors import KVForgeError, ModelLoadError
 from kvforge.models.config import ModelConfig
+from kvforge.models.gguf_quants import dequantize_torch
 from kvforge.models.gemma_config import GEMMA_ARCHES, GGUF_LAYER_NAMES, LAYER_NORMS, gemma_from_gguf
 from kvforge.models.tokenizer import Tokenizer
 
@@ -149,6 +150,9 @@ def _to_torch(buf: Any, t: GGUFTensor) -> torch.Tensor:
     block, type_size = GGML_QUANT_SIZES[t.qtype]
     byte_shape = (*t.shape[:-1], t.shape[-1] // block * type_size) if t.shape else (type_size,)
     raw = np.frombuffer(buf, np.uint8, t.nbytes, t.start).reshape(byte_shape)
+    fast = dequantize_torch(torch.from_numpy(raw.copy()), t.qtype, type_size)
+    if fast is not None:
+        return fast.reshape(t.shape)
     try:
         values = dequantize(raw, t.qtype)
     except NotImplementedError as e:
