@@ -24,6 +24,7 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (Qwen3)
     sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None = all alike
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)

@@ -32,6 +32,11 @@ MOE_KEYS = (
 )
 
 
+def is_supported(cfg: dict[str, Any]) -> bool:
+    """Whether kvforge runs this architecture (else only `kvforge memory` reads it, by its standard fields)."""
+    return cfg.get("model_type") in ARCH_BY_MODEL_TYPE or any(c in ARCH_BY_CLASS for c in cfg.get("architectures") or [])
+
+
 def detect_arch(cfg: dict[str, Any]) -> str:
     arch = ARCH_BY_MODEL_TYPE.get(cfg.get("model_type") or "")
     for cls in cfg.get("architectures") or []:
