@@ -4,12 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvforge.errors import ModelLoadError
 from kvforge.kv.spec import KVCacheSpec
+
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # "llama" (Llama, Mistral, SmolLM), "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"
+    arch: str  # "llama" (Llama, Mistral, SmolLM), "qwen2", "qwen3", "gemma2", "gemma3", "deepseek_v2", "deepseek_v3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,6 +32,22 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific (MLA, MoE)
+
+    def __post_init__(self) -> None:
+        if self.layer_types is not None:
+            bad = sorted({t for t in self.layer_types if t not in (FULL, SLIDING)})
+            if len(self.layer_types) != self.num_layers or bad:
+                raise ModelLoadError(
+                    f"layer_types must list one of {FULL!r}, {SLIDING!r} for each of the {self.num_layers} layers; "
+                    f"got {len(self.layer_types)} entries" + (f" including {bad}" if bad else ""))
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise ModelLoadError("layer_types has sliding_attention layers but no sliding_window is set")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within; None for full attention."""
+        if self.layer_types is not None and self.layer_types[layer] != SLIDING:
+            return None
+        return self.sliding_window
 
     @property
     def num_queries_per_kv(self) -> int:
