@@ -46,7 +46,8 @@ def format_kwargs(args: argparse.Namespace) -> dict:
 
 def add_policy_options(g) -> None:
     g.add_argument("--kv-policy", default=None, choices=["full", "window", "streaming", "h2o", "scissorhands", "snapkv"],
-                   help="KV eviction policy (default: full; window for sliding-window models)")
+                   help="KV eviction policy, on full-attention layers (default: full; sliding-window layers "
+                        "free what falls behind their window anyway)")
     g.add_argument("--budget", type=_budget, default=None,
                    help="KV tokens kept by --kv-policy: a count (1024) or a fraction (0.5) (default: the policy's)")
     g.add_argument("--kv-policy-options", default=None,
