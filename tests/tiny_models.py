@@ -20,6 +20,12 @@ def hf_config(kind: str):
         return tf.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=24)
     if kind == "qwen2":
         return tf.Qwen2Config(**TINY, num_key_value_heads=2)
+    if kind == "qwen2-hybrid":  # alternating full / sliding layers, window shorter than the test sequences
+        return tf.Qwen2Config(**{**TINY, "num_hidden_layers": 4}, num_key_value_heads=2, use_sliding_window=True,
+                              sliding_window=12, layer_types=["full_attention", "sliding_attention"] * 2)
+    if kind == "qwen2-window-layers":  # no layer_types: layers from max_window_layers on slide
+        return tf.Qwen2Config(**{**TINY, "num_hidden_layers": 3}, num_key_value_heads=2, use_sliding_window=True,
+                              sliding_window=10, max_window_layers=1)
     if kind == "qwen3":
         return tf.Qwen3Config(**TINY, num_key_value_heads=2, head_dim=32)
     if kind.startswith("deepseek"):

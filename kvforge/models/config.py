@@ -27,7 +27,7 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on q and k per head before RoPE (Qwen3)
     sliding_window: int | None = None
-    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None: all alike
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"; None = all alike
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -45,9 +45,7 @@ class ModelConfig:
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window layer `layer` attends within; None for full attention."""
-        if self.layer_types is not None and self.layer_types[layer] != SLIDING:
-            return None
-        return self.sliding_window
+        return self.layer_windows()[layer]
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -59,6 +57,15 @@ class ModelConfig:
         if kv_lora_rank:
             return KVCacheSpec(self.num_layers, 1, kv_lora_rank + self.extra["qk_rope_head_dim"], 0)
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.head_dim)
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window in tokens (None = full attention), as transformers applies them: with a
+        `sliding_window`, the layers `layer_types` marks sliding (every layer when there is no list)."""
+        if not self.sliding_window:
+            return [None] * self.num_layers
+        if self.layer_types is None:
+            return [self.sliding_window] * self.num_layers
+        return [self.sliding_window if t == SLIDING else None for t in self.layer_types]
 
     @property
     def attention_kind(self) -> str:

@@ -37,6 +37,11 @@ MOE_KEYS = (
 )
 
 
+def is_supported(cfg: dict[str, Any]) -> bool:
+    """Whether kvforge runs this architecture (else only `kvforge memory` reads it, by its standard fields)."""
+    return cfg.get("model_type") in ARCH_BY_MODEL_TYPE or any(c in ARCH_BY_CLASS for c in cfg.get("architectures") or [])
+
+
 def detect_arch(cfg: dict[str, Any]) -> str:
     arch = ARCH_BY_MODEL_TYPE.get(cfg.get("model_type") or "")
     for cls in cfg.get("architectures") or []:
@@ -73,6 +78,30 @@ def _require(cfg: dict[str, Any], *keys: str) -> None:
         raise ModelLoadError(f"config.json lacks required keys {missing}")
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _sliding(cfg: dict[str, Any], arch: str) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, per-layer types) as transformers reads them: Qwen2/3 window only with
+    `use_sliding_window` (default off) and, without `layer_types`, on layers from `max_window_layers` on;
+    Mistral (model_type mistral) windows every layer and ignores `layer_types`."""
+    qwen = arch.startswith("qwen")
+    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", not qwen) else None
+    if not sliding or cfg.get("model_type") == "mistral":
+        return sliding, None
+    types = cfg.get("layer_types")
+    n = int(cfg["num_hidden_layers"])
+    if types is None and qwen:
+        first = int(cfg.get("max_window_layers", 28) if cfg.get("max_window_layers") is not None else 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if types is None:
+        return sliding, None
+    if len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise ModelLoadError(f"config.json layer_types must list one of {LAYER_TYPES} per layer ({n} layers), "
+                             f"got {types!r}")
+    return sliding, list(types)
+
+
 def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Translate a Hugging Face config dict into a ModelConfig."""
     arch = detect_arch(cfg)
@@ -81,14 +110,12 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     extra: dict[str, Any] = {}
-    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    sliding, layer_types = _sliding(cfg, arch)
     if arch.startswith("deepseek"):
         _require(cfg, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         extra = {k: cfg.get(k) for k in MLA_KEYS + MOE_KEYS if k in cfg}
         kv_heads = heads
         head_dim = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
-    elif arch.startswith("qwen") and sliding is not None and cfg.get("max_window_layers") is not None:
-        extra["max_window_layers"] = cfg["max_window_layers"]
     theta, scaling = _rope(cfg) if arch not in GEMMA_ARCHES else (10000.0, None)
     fields = dict(
         rope_theta=theta,
@@ -96,6 +123,7 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=arch == "qwen3",
         sliding_window=int(sliding) if sliding else None,
+        layer_types=layer_types,
         extra=extra,
     )
     if arch in GEMMA_ARCHES:
