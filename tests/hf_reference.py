@@ -5,8 +5,10 @@ import torch
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    out = model(torch.tensor([prompt_ids]), use_cache=True)
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, last_logits_only: bool = False) -> list[int]:
+    """last_logits_only: the prompt's forward computes the last position's logits only (large vocabularies)."""
+    keep = {"logits_to_keep": 1} if last_logits_only else {}
+    out = model(torch.tensor([prompt_ids]), use_cache=True, **keep)
     past, tokens = out.past_key_values, []
     for _ in range(max_new_tokens):
         nxt = int(out.logits[0, -1].argmax())
