@@ -7,8 +7,7 @@ and the time to complete them all, for both engines.
 from __future__ import annotations
 
 from kvforge.bench.memory import run_layout
-from kvforge.bench.workload import random_tokens
-from kvforge.bench.workload import Request
+from kvforge.bench.workload import Request, random_tokens
 from kvforge.errors import ConfigError
 from kvforge.kv.formats import get_format
 from kvforge.kv.groups import build_groups

@@ -87,7 +87,7 @@ def test_generation_matches_transformers_with_chunks_preemption_prefix_and_specu
             for p in prompts]
     for speculative in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
         llm = LLM.from_engine(LLMEngine(EngineConfig(
-            kv_cache_memory=44 * 2 * 4 * 2 * 2 * 16 * 4, block_size=4, max_num_batched_tokens=5, max_num_seqs=4,
+            kv_cache_memory=30 * 2 * 4 * 2 * 2 * 16 * 4, block_size=4, max_num_batched_tokens=5, max_num_seqs=4,
             speculative=speculative), loaded))
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         assert [out.token_ids for out in outs] == refs
@@ -119,3 +119,24 @@ def test_policies_compact_full_attention_groups_only(hybrid):
             assert kv.cache_len(seq) <= 16 + 4 and kv.group_cache_len(seq, 1) == seq.num_computed_tokens
             assert len(kv.block_table(seq, 0)) == -(-kv.cache_len(seq) // 4)
     assert engine.runner.evictor.evicted_tokens > 0 and kv.allocator.num_used == 0
+
+
+def test_prefix_caching_does_not_pin_blocks_behind_the_window(hybrid):
+    """With prefix caching on, a long sequence's sliding blocks behind the window stay cached only until
+    memory is needed: a second sequence fits beside it (reclaimed), and a request sharing its prompt still
+    hits (the window before the hit point is kept while the first one runs)."""
+    _, loaded = hybrid
+    engine = LLMEngine(EngineConfig(kv_cache_memory=40 * 2 * 4 * 2 * 2 * 16 * 4, block_size=4, max_model_len=100,
+                                    max_num_batched_tokens=8), loaded)
+    prompt = list(range(1, 41))
+    first = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while engine.requests[first].num_computed_tokens < 60:
+        engine.step()
+    # 60 tokens: 15 full blocks + 3..4 window blocks held; the tree keeps the 10 behind-window prompt blocks
+    assert engine.kv.stats()["kv_blocks_cached_idle"] >= 10
+    second = engine.add_request(prompt + [50, 51], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert engine.requests[second].num_computed_tokens >= 40  # hit at 40: full blocks + the window before it
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.num_preemptions == 0 and engine.kv.stats()["prefix_hit_tokens"] == 40
