@@ -140,3 +140,31 @@ def test_prefix_caching_does_not_pin_blocks_behind_the_window(hybrid):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.scheduler.num_preemptions == 0 and engine.kv.stats()["prefix_hit_tokens"] == 40
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4", "kivi2"])
+def test_every_format_works_per_group(hybrid, fmt):
+    """A format stores each group's blocks alike: groups give the logits of every-layer-full storage (the
+    window masks them the same), and the pool allocates what the formula says (staging per group)."""
+    _, loaded = hybrid
+    logits = []
+    for groups in (True, False):
+        engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=4, kv_cache_dtype=fmt, max_num_seqs=2,
+                                        kv_cache_groups=groups), loaded)
+        kv = engine.kv
+        assert kv.pool.allocated_bytes() == pool_bytes(engine.spec, engine.format, 4, kv.num_blocks, 2, kv.groups)
+        logits.append(position_logits(engine, TOKENS, chunk_size=4))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+def test_hybrid_memory_bench_fits_more_sequences(hybrid):
+    """Budget of two 64-token sequences with every layer full (2 x 16 blocks of 4 layer slots = 64 blocks of 2):
+    with groups one sequence holds 16 full + 4 window blocks (12 + 4 tokens), so 64 // 20 = 3 fit."""
+    from kvforge.bench.hybrid import hybrid_bench
+
+    r = hybrid_bench(hybrid[1], seq_len=64, num_requests=6, budget_seqs=2, output_len=24, block_size=4, chunk=16,
+                     show_progress=False)
+    assert (r["groups"]["sequences_that_fit"], r["full_layers"]["sequences_that_fit"]) == (3, 2)
+    assert r["groups"]["num_blocks"] == 64 and r["full_layers"]["num_blocks"] == 32
+    assert r["groups"]["peak_concurrent_seqs"] > r["full_layers"]["peak_concurrent_seqs"]
+    assert r["concurrency_ratio"] > 1
