@@ -1,4 +1,4 @@
-"""ModelConfig from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, DeepSeek-V2/V3)."""
+"""ModelConfig from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, DeepSeek-V2/V3)."""
 from __future__ import annotations
 
 import json
@@ -7,12 +7,15 @@ from typing import Any
 
 from kvforge.errors import ModelLoadError
 from kvforge.models.config import ModelConfig
+from kvforge.models.gemma_config import GEMMA_ARCHES, gemma_from_hf
 
 ARCH_BY_MODEL_TYPE = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",
 }
@@ -21,6 +24,8 @@ ARCH_BY_CLASS = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
@@ -30,6 +35,11 @@ MOE_KEYS = (
     "first_k_dense_replace", "moe_layer_freq", "routed_scaling_factor", "topk_method", "n_group",
     "topk_group", "norm_topk_prob", "scoring_func", "num_nextn_predict_layers", "rope_interleave",
 )
+
+
+def is_supported(cfg: dict[str, Any]) -> bool:
+    """Whether kvforge runs this architecture (else only `kvforge memory` reads it, by its standard fields)."""
+    return cfg.get("model_type") in ARCH_BY_MODEL_TYPE or any(c in ARCH_BY_CLASS for c in cfg.get("architectures") or [])
 
 
 def detect_arch(cfg: dict[str, Any]) -> str:
@@ -106,7 +116,18 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         extra = {k: cfg.get(k) for k in MLA_KEYS + MOE_KEYS if k in cfg}
         kv_heads = heads
         head_dim = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
-    theta, scaling = _rope(cfg)
+    theta, scaling = _rope(cfg) if arch not in GEMMA_ARCHES else (10000.0, None)
+    fields = dict(
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=arch == "qwen3",
+        sliding_window=int(sliding) if sliding else None,
+        layer_types=layer_types,
+        extra=extra,
+    )
+    if arch in GEMMA_ARCHES:
+        fields.update(gemma_from_hf(cfg, arch))
     return ModelConfig(
         arch=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -116,18 +137,12 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
-        sliding_window=int(sliding) if sliding else None,
-        layer_types=layer_types,
-        rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-        extra=extra,
+        **fields,
     )
 
 
