@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvforge.bench.progress import Progress
+from kvforge.bench.serve_ray import add_ray_options, run_ray_bench
 from kvforge.bench.workload import Request, random_workload
 
 
@@ -43,10 +44,13 @@ def register_serve(bsub) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    add_ray_options(p)
     p.set_defaults(func=run_serve_bench)
 
 
 def run_serve_bench(args) -> int:
+    if args.ray:
+        return run_ray_bench(args)
     result = asyncio.run(serve_bench(args.url, args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
                                      args.request_rate, args.max_concurrency, args.model, args.api_key, args.seed,
                                      not args.no_progress))

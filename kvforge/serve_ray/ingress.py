@@ -23,7 +23,7 @@ async def _rest(stream, sse: bool):
     try:
         async for chunk in stream:
             yield chunk
-    except Exception as e:  # noqa: BLE001 - the status line is sent: the error goes in the stream, which ends
+    except Exception as e:
         if sse:
             body = engine_unavailable(f"the replica serving this request failed: {_reason(e)}").body()
             yield f"data: {json.dumps(body)}\n\n".encode()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 
-from kvforge.server import ServerConfig, build_app
 from kvforge.serve_ray.asgi import Head, call_asgi
 from kvforge.serve_ray.prefix_keys import CHUNK_TOKENS, ChunkSet, RoutingKey, chunk_hashes
+from kvforge.server import ServerConfig, build_app
 
 REPORTED_CHUNKS = 4096  # newest chunk hashes sent to the router in each stats report
 REPLICA_HEADER = "x-kvforge-replica"
