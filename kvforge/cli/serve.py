@@ -34,7 +34,7 @@ def register(sub) -> None:
     g = p.add_argument_group("Ray Serve (pip install 'kvforge[ray]')")
     g.add_argument("--ray", action="store_true", help="serve with many engine replicas on Ray Serve")
     scale = g.add_mutually_exclusive_group()
-    scale.add_argument("--num-replicas", type=int, default=2, help="engine replicas (default: 2)")
+    scale.add_argument("--num-replicas", type=int, default=None, help="engine replicas (default: 2)")
     scale.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="let Ray Serve scale between MIN and MAX replicas")
     g.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
     g.add_argument("--routing", default="prefix", choices=["prefix", "pow2"],
@@ -117,7 +117,7 @@ def run_on_ray(args) -> int:
     require_ray()
     from kvforge.serve_ray.launcher import RayDeployment, parse_autoscale, serve_forever
 
-    d = RayDeployment(engine_kwargs(args), server_config(args), num_replicas=args.num_replicas,
+    d = RayDeployment(engine_kwargs(args), server_config(args), num_replicas=args.num_replicas or 2,
                       autoscale=parse_autoscale(args.autoscale) if args.autoscale else None, routing=args.routing,
                       cpus_per_replica=args.cpus_per_replica)
     return serve_forever(d, args.host, args.port, args.ray_address)

@@ -14,7 +14,7 @@ from ray import serve
 
 from kvforge.serve_ray import metrics
 from kvforge.serve_ray.prefix_keys import routing_key
-from kvforge.server.errors import engine_unavailable
+from kvforge.server.errors import APIError
 
 app = FastAPI(title="kvforge on Ray Serve")
 
@@ -25,7 +25,7 @@ async def _rest(stream, sse: bool):
             yield chunk
     except Exception as e:
         if sse:
-            body = engine_unavailable(f"the replica serving this request failed: {_reason(e)}").body()
+            body = replica_failed(e).body()
             yield f"data: {json.dumps(body)}\n\n".encode()
         else:
             raise
@@ -35,8 +35,10 @@ def _is_sse(head: list[tuple[str, str]]) -> bool:
     return any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head)
 
 
-def _reason(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+def replica_failed(e: Exception) -> APIError:
+    reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    return APIError(503, f"the replica serving this request failed ({reason}); retry it: Ray Serve routes it to a "
+                    "live replica and replaces the failed one", "server_error", code="replica_unavailable")
 
 
 @serve.ingress(app)  # at import, so the replica that imports this module gets the same routes
@@ -65,5 +67,5 @@ class KVForgeIngress:
             status, head = await stream.__anext__()
         except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
             stream.cancel()
-            return engine_unavailable(f"the replica serving this request failed: {_reason(e)}").response()
+            return replica_failed(e).response()
         return StreamingResponse(_rest(stream, _is_sse(head)), status_code=status, headers=dict(head))

@@ -40,7 +40,7 @@ class PrefixAffinityRouter(_Reporting, RequestRouter):
         self.chunks_per_replica = chunks_per_replica
         self._sent: dict[ReplicaID, ChunkSet] = {}
         self._in_flight: Counter = Counter()
-        self._decisions: dict[str, str] = {}  # internal request id -> why its replica was picked
+        self._claims: dict[str, tuple[ReplicaID, str]] = {}  # request id -> (first-ranked replica, why) until routed
         self._reported_sets: dict[ReplicaID, tuple[list, set]] = {}
         _registry().register(self)
 
@@ -48,6 +48,8 @@ class PrefixAffinityRouter(_Reporting, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None:  # a retry: its earlier claim no longer holds
+            self._release(pending_request.metadata.internal_request_id)
         key = _key_of(pending_request)
         hashes = chunk_hashes(key) if key else []
         by_load = sorted(candidate_replicas, key=self._balance_order)
@@ -64,8 +66,21 @@ class PrefixAffinityRouter(_Reporting, RequestRouter):
                 else:
                     decision = "imbalance_fallback"
         if pending_request is not None:
-            self._decisions[pending_request.metadata.internal_request_id] = decision
+            self._claim(pending_request.metadata.internal_request_id, by_load[0].replica_id, hashes, decision)
         return [[r] for r in by_load]
+
+    def _claim(self, request_id: str, replica_id: ReplicaID, hashes: list[str], decision: str) -> None:
+        """Count the request on its first-ranked replica now, so requests routed before it lands see it."""
+        self._claims[request_id] = replica_id, decision
+        self._in_flight[replica_id] += 1
+        if hashes:
+            self._sent.setdefault(replica_id, ChunkSet(self.chunks_per_replica)).add(hashes)
+
+    def _release(self, request_id: str) -> str:
+        replica_id, decision = self._claims.pop(request_id, (None, "least_loaded"))
+        if replica_id is not None and self._in_flight[replica_id] > 0:
+            self._in_flight[replica_id] -= 1
+        return decision
 
     def _balance_order(self, r: RunningReplica) -> tuple:
         stats = r.routing_stats or {}
@@ -83,8 +98,8 @@ class PrefixAffinityRouter(_Reporting, RequestRouter):
         return cached[1]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        decision = self._release(pending_request.metadata.internal_request_id)
         self._in_flight[replica_id] += 1
-        decision = self._decisions.pop(pending_request.metadata.internal_request_id, "least_loaded")
         _registry().count("prefix", decision)
         key = _key_of(pending_request)
         if key:
