@@ -10,25 +10,17 @@ served most of them, averaged over prompts.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+
+from kvforge.bench.serve import Result, stream_one
 
 WORDS = ["cache", "block", "token", "prefix", "replica", "router", "engine", "layer", "head", "query", "key", "value",
          "batch", "stream", "decode", "prefill", "memory", "tier", "model", "rank", "shard", "latency", "window"]
 
 
-@dataclass
-class Shot:
-    system: int
-    ok: bool = False
-    replica: str = ""
-    cached: int = 0
-    ttft: float = 0.0
-    output_tokens: int = 0
-    error: str = ""
+Shot = tuple[int, Result]  # (system prompt index, its request's result)
 
 
 def system_prompts(count: int, chars: int, seed: int) -> list[str]:
@@ -70,47 +62,24 @@ async def run_workload(url: str, systems: list[str], asks: list[str], max_tokens
 async def _one(client, system: int, prompt: str, max_tokens: int) -> Shot:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    shot = Shot(system)
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            shot.replica = resp.headers.get("x-kvforge-replica", "")
-            if resp.status_code != 200:
-                shot.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
-                return shot
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    shot.error = chunk["error"].get("message", "error")
-                    return shot
-                if chunk.get("choices") and shot.ttft == 0.0:
-                    shot.ttft = time.perf_counter() - start
-                if chunk.get("usage"):
-                    shot.output_tokens = chunk["usage"]["completion_tokens"]
-                    shot.cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
-        shot.ok = shot.output_tokens > 0
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-        shot.error = f"{type(e).__name__}: {e}"
-    return shot
+    return system, await stream_one(client, body)
 
 
 def summarize(shots: list[Shot], cacheable: list[int], duration: float) -> dict:
     """cacheable[i]: tokens of system prompt i in whole blocks (what a hit can serve)."""
-    ok = [s for s in shots if s.ok]
-    possible = sum(cacheable[s.system] for s in ok)
-    hit = sum(min(s.cached, cacheable[s.system]) for s in ok)
+    ok = [(i, r) for i, r in shots if r.ok]
+    possible = sum(cacheable[i] for i, _ in ok)
+    hit = sum(min(r.cached_tokens, cacheable[i]) for i, r in ok)
     return {"hit_rate": hit / possible if possible else 0.0, "affinity": affinity(ok),
-            "ttft_ms_mean": 1000 * sum(s.ttft for s in ok) / len(ok) if ok else 0.0,
-            "output_tok_s": sum(s.output_tokens for s in ok) / duration if duration else 0.0,
-            "completed": len(ok), "failed": len(shots) - len(ok), "replicas": len({s.replica for s in ok}),
-            "errors": sorted({s.error for s in shots if not s.ok})[:3]}
+            "ttft_ms_mean": 1000 * sum(r.ttft for _, r in ok) / len(ok) if ok else 0.0,
+            "output_tok_s": sum(r.output_tokens for _, r in ok) / duration if duration else 0.0,
+            "completed": len(ok), "failed": len(shots) - len(ok), "replicas": len({r.replica for _, r in ok}),
+            "errors": sorted({r.error for _, r in shots if not r.ok})[:3]}
 
 
 def affinity(shots: list[Shot]) -> float:
     by_system: dict[int, Counter] = {}
-    for s in shots:
-        by_system.setdefault(s.system, Counter())[s.replica] += 1
+    for i, r in shots:
+        by_system.setdefault(i, Counter())[r.replica] += 1
     shares = [c.most_common(1)[0][1] / sum(c.values()) for c in by_system.values()]
     return sum(shares) / len(shares) if shares else 0.0
