@@ -77,3 +77,59 @@ def test_serve_ray_cli_options():
         RayDeployment({}, routing="round-robin")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--ray", "--num-replicas", "2", "--autoscale", "1:2"])
+
+
+class FakeReplica:
+    def __init__(self, name: str, stats: dict | None = None):
+        self.replica_id, self.routing_stats = name, stats or {}
+
+
+class FakeRequest:
+    def __init__(self, rid: str, key):
+        from types import SimpleNamespace
+
+        self.args, self.metadata = ["POST", "/v1/completions", "", [], b"", key], SimpleNamespace(internal_request_id=rid)
+
+
+def _router(**kwargs):
+    pytest.importorskip("ray.serve.request_router")
+    from kvforge.serve_ray.router import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)  # the decision logic only; Ray wires the rest
+    router.initialize_state(**kwargs)
+    return router
+
+
+def _choose(router, replicas, rid: str, key) -> str:
+    import asyncio
+
+    request = FakeRequest(rid, key)
+    ranks = asyncio.run(router.choose_replicas(replicas, request))
+    router.on_request_routed(request, ranks[0][0].replica_id, None)
+    return ranks[0][0].replica_id
+
+
+def test_prefix_router_spreads_new_prompts_then_sticks_and_falls_back_when_imbalanced():
+    router = _router(imbalance=3)
+    replicas = [FakeReplica("r1"), FakeReplica("r2")]
+    systems = [c * (4 * CHUNK_CHARS) for c in "abcd"]
+    homes = [_choose(router, replicas, f"w{i}", s + "?") for i, s in enumerate(systems)]
+    assert sorted(homes) == ["r1", "r1", "r2", "r2"], "new prompts go to the least-loaded replica"
+    for q in range(3):
+        for i, s in enumerate(systems):
+            assert _choose(router, replicas, f"q{q}-{i}", s + f"question {q}") == homes[i]
+    busy, idle = homes[0], next(r for r in ("r1", "r2") if r != homes[0])
+    for q in range(4):  # nothing completes: the home of systems[0] gets 4 more in flight than the other replica
+        _choose(router, replicas, f"load{q}", systems[0] + f"again {q}")
+    assert _choose(router, replicas, "over", systems[0] + "one more") == idle
+    before = router._in_flight[busy]
+    router.on_request_completed(busy, "any")
+    assert router._in_flight[busy] == before - 1 == 12 - 1
+
+
+def test_prefix_router_uses_what_replicas_report():
+    router = _router()
+    system = "z" * (4 * CHUNK_CHARS)
+    reported = FakeReplica("r2", {"prefix_chunks": chunk_hashes(system), "kv_usage": 0.9})
+    assert _choose(router, [FakeReplica("r1"), reported], "x", system + "tail") == "r2"
+    assert _choose(router, [FakeReplica("r1"), reported], "y", "unrelated " * 40) == "r1", "no match: least loaded"
