@@ -7,6 +7,7 @@ bench/prefix_routing.py, and reports per policy hit_rate, affinity, ttft_ms_mean
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import sys
@@ -35,8 +36,10 @@ def run_ray_bench(args) -> int:
 
     require_ray()
     engine = {"model": args.engine_model, "kv_cache_memory": parse_size(args.kv_memory)}
-    result = ray_bench(engine, args.num_replicas, args.system_prompts, args.questions, args.system_chars,
-                       args.max_tokens, args.max_concurrency or 2 * args.num_replicas, args.seed, args.ray_address)
+    with contextlib.redirect_stdout(sys.stderr):  # Ray's own messages must not mix with the JSON on stdout
+        result = ray_bench(engine, args.num_replicas, args.system_prompts, args.questions, args.system_chars,
+                           args.max_tokens, args.max_concurrency or 2 * args.num_replicas, args.seed,
+                           args.ray_address)
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         print()
