@@ -35,7 +35,8 @@ def register(sub) -> None:
     g.add_argument("--ray", action="store_true", help="serve with many engine replicas on Ray Serve")
     scale = g.add_mutually_exclusive_group()
     scale.add_argument("--num-replicas", type=int, default=None, help="engine replicas (default: 2)")
-    scale.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="let Ray Serve scale between MIN and MAX replicas")
+    scale.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                       help="let Ray Serve scale between MIN and MAX replicas (default: off, a fixed --num-replicas)")
     g.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
     g.add_argument("--routing", default="prefix", choices=["prefix", "pow2"],
                    help="replica choice: prefix-cache affinity, or Ray's power of two choices (default: prefix)")
