@@ -15,6 +15,8 @@ from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.spec import SpeculativeConfig, SpeculativeDecoder
+from kvforge.engine.spec.build import build_drafter, load_draft_model
+from kvforge.engine.spec.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
@@ -46,6 +48,9 @@ class LLMEngine:
         self.format.validate(self.spec, config.block_size)
         self.policy = build_policy(config.kv_policy, config.kv_policy_options, cfg.sliding_window)
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
+        self.spec_config = SpeculativeConfig.parse(config.speculative)
+        self.draft = load_draft_model(self.spec_config, self.loaded, self.device, self.max_model_len, self.policy,
+                                      self.format, config.block_size)  # None unless method 'draft'
         num_blocks = self._num_blocks()
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
@@ -60,9 +65,9 @@ class LLMEngine:
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
-        if config.speculative:
-            self.runner.speculator = SpeculativeDecoder(SpeculativeConfig.parse(config.speculative), self.length_limit,
-                                                        self.runner.evictor)
+        if self.spec_config:
+            drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
+            self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
@@ -72,13 +77,17 @@ class LLMEngine:
         budget = c.kv_cache_memory
         if budget is None:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
-        num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs)
+        draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
+        if draft_spec is None:
+            num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs)
+        else:  # each block also holds the draft model's K/V of the same tokens
+            num_blocks = shared_num_blocks(self.spec, draft_spec, self.format, c.block_size, budget, c.max_num_seqs)
         need = blocks_for_tokens(self.max_model_len, c.block_size)
         if num_blocks < need and c.max_model_len is None and num_blocks > 0:
             self.max_model_len = num_blocks * c.block_size  # the model's full context does not fit: cap it
             need = num_blocks
         if num_blocks < need or num_blocks == 0:
-            per_block = bytes_per_block(self.spec, self.format, c.block_size)
+            per_block = sum(bytes_per_block(s, self.format, c.block_size) for s in (self.spec, draft_spec) if s)
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
                 f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
@@ -237,6 +246,7 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.request_id in rejected:
                 self.kv.rollback(seq)
+                self.runner.speculator.rollback(seq, self.kv)
         bs = self.kv.block_size
         for seq, prev in zip(batch.seqs, before):
             if seq.num_computed_tokens // bs > prev // bs:
