@@ -58,7 +58,10 @@ def register(sub) -> None:
     f.set_defaults(func=run_kv_formats)
 
     sp = bsub.add_parser("spec", help="speculative decoding vs plain decoding on grounded and open-ended prompts")
-    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods (default: every method: ngram)")
+    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods: ngram layer_skip draft (default: ngram layer_skip, plus draft "
+                    "with --draft-model)")
+    sp.add_argument("--draft-model", default=None, help="the draft method's model (default: the target itself, "
+                    "a correctness check, not a speedup)")
     sp.add_argument("--batches", type=int, nargs="*", default=[1, 8], help="concurrent sequences (default: 1 8)")
     sp.add_argument("--prompts", type=int, default=3, help="prompts run one at a time at batch 1 (default: 3)")
     sp.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt (default: 96)")
@@ -160,7 +163,8 @@ def run_spec(args) -> int:
 
     r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
                    args.passage_tokens, not args.no_progress, texts=tuple(args.texts),
-                   spec_options=json_object("--spec-options", args.spec_options, '{"num_speculative_tokens": 8}'))
+                   spec_options=json_object("--spec-options", args.spec_options, '{"num_speculative_tokens": 8}'),
+                   draft_model=args.draft_model)
     rows = []
     for name in r["methods"]:
         for workload, by_batch in r[name].items():
