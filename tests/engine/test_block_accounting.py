@@ -46,6 +46,11 @@ def test_random_workloads_never_leak(tiny_loaded, program, prefix_caching, layou
                        if speculative else None)
     engine = LLMEngine(cfg, tiny_loaded)
     assert engine.kv.num_blocks == 24
+    run_program(engine, program)
+
+
+def run_program(engine: LLMEngine, program) -> None:
+    """Run an `ops` program, checking the accounting after every operation and step, then drain and reset."""
     shared = list(range(5, 25))
     ids = []
     for op in program:

@@ -5,7 +5,7 @@ import shutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_block_accounting import check_accounting, ops
+from test_block_accounting import ops, run_program
 from test_speculative import FORMATS, make, run
 
 from kvforge.config import EngineConfig
@@ -109,24 +109,7 @@ def test_model_drafters_never_leak_blocks(tiny_loaded, tiny_dir, program, prefix
                        max_num_batched_tokens=24, enable_prefix_caching=prefix_caching, speculative=spec)
     engine = LLMEngine(cfg, tiny_loaded)
     assert engine.kv.num_blocks == 24
-    shared, ids = list(range(5, 25)), []
-    for op in program:
-        if op[0] == "add":
-            _, plen, max_tokens, family = op
-            prompt = (shared * 3)[: plen] if family else [(7 * i + plen) % 90 for i in range(plen)]
-            ids.append(engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                engine.step()
-                check_accounting(engine)
-        elif ids:
-            engine.abort(ids[op[1] % len(ids)])
-        check_accounting(engine)
-    while engine.has_unfinished_requests():
-        engine.step()
-        check_accounting(engine)
-    engine.kv.reset_prefix_cache()
-    assert engine.kv.allocator.num_free == engine.kv.num_blocks
+    run_program(engine, program)
 
 
 def _with_tokenizer(src: str, dst, words: list[str]) -> str:
