@@ -107,3 +107,12 @@ def test_spec_bench_compares_the_same_outputs(tiny_loaded):
                 assert 1.0 <= on["mean_acceptance_length"] <= 1 + 5 and 0.0 <= on["acceptance_rate"] <= 1.0
                 if method == "draft":  # the target drafting for itself accepts everything
                     assert on["acceptance_rate"] == 1.0
+
+
+def test_verify_cost_times_every_row_count(tiny_loaded):
+    from kvforge.bench.verify_cost import verify_cost
+
+    r = verify_cost(tiny_loaded, ks=(1, 3), rounds=3, prompt=list(range(5, 45)))
+    assert r["context_tokens"] == 40 and set(r["steps"]) == {"rows1", "rows2", "rows4"}
+    assert r["steps"]["rows1"]["vs_decode"] == 1.0
+    assert all(0 < row["lm_head_ms"] < row["ms"] for row in r["steps"].values())
