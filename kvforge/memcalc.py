@@ -21,7 +21,8 @@ from kvforge.kv.memory import (
 )
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.models.config import ModelConfig
-from kvforge.models.hf_config import load_hf_config
+from kvforge.models.decoder_config import decoder_config
+from kvforge.models.hf_config import is_supported, load_hf_config
 from kvforge.presets import PRESETS, PUBLISHED_DTYPE, get_preset
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -62,12 +63,12 @@ def resolve_model(source: str) -> ResolvedModel:
     if path.is_file() and path.suffix == ".gguf":
         return _resolve_gguf(path)
     if path.is_dir() or path.is_file():
-        return ResolvedModel(str(source), load_hf_config(path), published_dtype=_config_dtype(path))
+        return ResolvedModel(str(source), _config_json(path), published_dtype=_config_dtype(path))
     raise ConfigError(f"{source!r} is neither a model preset nor an existing path; presets: {', '.join(PRESETS)}; "
                       "or give a Hugging Face config.json, a directory holding one, or a .gguf file")
 
 
-def _config_dtype(path: Path) -> str | None:
+def _read_json(path: Path) -> dict[str, Any] | None:
     import json
 
     file = path / "config.json" if path.is_dir() else path
@@ -75,6 +76,20 @@ def _config_dtype(path: Path) -> str | None:
         raw = json.loads(file.read_text())
     except (OSError, ValueError):
         return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _config_json(path: Path) -> ModelConfig:
+    """An architecture kvforge runs is read as the engine reads it; any other decoder by its standard fields."""
+    raw = _read_json(path)
+    if raw is None or is_supported(raw):
+        return load_hf_config(path)  # its errors say what is wrong with the file
+    return decoder_config(raw)
+
+
+def _config_dtype(path: Path) -> str | None:
+    raw = _read_json(path) or {}
+    raw = {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), dict) else raw
     return _HF_DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype")))
 
 

@@ -298,3 +298,39 @@ def test_hf_config_weights_default_to_its_torch_dtype(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     r = memory_report(str(tmp_path), memory=GiB)
     assert "at fp16, assumed" in r.fits.weights_source
+
+
+# published config.json fields (only those the formula reads, plus model_type), for architectures kvforge does not run
+ANY_CONFIG = {
+    "mixtral": ({"model_type": "mixtral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "num_hidden_layers": 32, "num_local_experts": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                 "sliding_window": None, "max_position_embeddings": 32768}, 2 * 32 * 8 * 128),
+    "falcon-7b": ({"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "n_layer": 32,
+                   "multi_query": True, "new_decoder_architecture": False, "vocab_size": 65024}, 2 * 32 * 1 * 64),
+    "phi3-mini": ({"model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 32,
+                   "num_hidden_layers": 32, "sliding_window": 2047, "max_position_embeddings": 4096,
+                   "intermediate_size": 8192, "vocab_size": 32064}, 2 * 32 * 32 * 96),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ANY_CONFIG))
+def test_any_decoder_config_by_its_standard_fields(tmp_path, name, capsys):
+    raw, elements = ANY_CONFIG[name]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    r = memory_report(str(tmp_path), seq_len=1024)
+    assert r.per_token_bytes == elements * 2 and r.arch == raw["model_type"]
+    assert main(["memory", "--model", str(tmp_path), "--seq-len", "1024", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["per_token_bytes"] == elements * 2
+
+
+def test_any_config_missing_a_needed_field_is_named(tmp_path):
+    raw = dict(ANY_CONFIG["mixtral"][0])
+    del raw["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="lacks num_attention_heads"):
+        resolve_model(str(tmp_path))
+
+
+def test_memory_model_positional_and_option_must_agree(capsys):
+    assert main(["memory", "llama-2-7b", "--model", "llama-3-8b"]) == 2
+    assert "two models given" in capsys.readouterr().err

@@ -28,6 +28,11 @@ def register(sub) -> None:
     m.add_argument("--max-model-len", type=int, default=2048, help="longest sequence, prompt + output")
     m.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
     m.add_argument("--model", default=None, help=MODEL_HELP)
+    h = m.add_argument_group("hybrid attention (models with sliding-window layers): KV groups vs every layer kept full")
+    h.add_argument("--hybrid-seq-len", type=int, default=4096, help="tokens per sequence, prompt + output")
+    h.add_argument("--hybrid-requests", type=int, default=16, help="sequences in the workload")
+    h.add_argument("--hybrid-budget-seqs", type=int, default=2,
+                   help="KV budget: this many sequences with every layer kept full")
     m.set_defaults(func=run_memory)
 
     x = bsub.add_parser("prefix", help="shared system prompt and multi-turn chats, prefix caching off vs on")
@@ -125,8 +130,19 @@ def run_memory(args) -> int:
 
     loaded = load_model(args.model)
     budget = parse_size(args.budget) if args.budget else None
+    hybrid = {"seq_len": args.hybrid_seq_len, "num_requests": args.hybrid_requests,
+              "budget_seqs": args.hybrid_budget_seqs}
     result = memory_bench(loaded, args.num_requests, tuple(args.prompt_len), tuple(args.output_len), budget,
-                          args.max_model_len, args.max_num_seqs, args.seed, not args.no_progress)
+                          args.max_model_len, args.max_num_seqs, args.seed, not args.no_progress, hybrid)
+    h = result.get("hybrid")
+    hybrid_rows = [] if h is None else [
+        (f"hybrid: {h['seq_len']}-token sequences that fit, groups / full layers (formula)",
+         f'{h["groups"]["sequences_that_fit"]} / {h["full_layers"]["sequences_that_fit"]}'),
+        ("hybrid: peak concurrent seqs, groups / full layers",
+         f'{h["groups"]["peak_concurrent_seqs"]} / {h["full_layers"]["peak_concurrent_seqs"]}'),
+        ("hybrid: concurrency ratio", h["concurrency_ratio"]),
+        ("hybrid: completion time groups / full layers (s)", f'{h["groups"]["seconds"]:.1f} / {h["full_layers"]["seconds"]:.1f}'),
+    ]
     _emit(result, args.json, [
         ("paged utilization", result["paged"]["utilization"]),
         ("contiguous utilization", result["contiguous"]["utilization"]),
@@ -134,7 +150,7 @@ def run_memory(args) -> int:
         ("contiguous peak concurrent seqs", result["contiguous"]["peak_concurrent_seqs"]),
         ("concurrency ratio", result["concurrency_ratio"]),
         ("completion time paged / contiguous (s)", f'{result["paged"]["seconds"]:.1f} / {result["contiguous"]["seconds"]:.1f}'),
-    ])
+    ] + hybrid_rows)
     return 0
 
 
@@ -167,8 +183,8 @@ def run_spec(args) -> int:
         from kvforge.bench.verify_cost import verify_cost
 
         r = verify_cost(load_model(args.model))
-        _emit(r, args.json, [(name, f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), LM head '
-                               f'{row["lm_head_ms"]:.1f} ms') for name, row in r["steps"].items()])
+        _emit(r, args.json, [(name, (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), LM head '
+                                     f'{row["lm_head_ms"]:.1f} ms')) for name, row in r["steps"].items()])
         return 0
     r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
                    args.passage_tokens, not args.no_progress, texts=tuple(args.texts),

@@ -20,9 +20,10 @@ from kvforge.engine.spec.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
+from kvforge.kv.groups import build_groups
 from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
-from kvforge.kv.policies import Evictor, build_policy
+from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.models.packed_linear import pack_linears
@@ -48,7 +49,10 @@ class LLMEngine:
         self.spec = cfg.kv_cache_spec()
         self.format = get_format(config.kv_cache_dtype, **(config.kv_cache_options or {}))
         self.format.validate(self.spec, config.block_size)
-        self.policy = build_policy(config.kv_policy, config.kv_policy_options, cfg.sliding_window)
+        self.layer_windows = cfg.layer_windows()
+        self.groups = build_groups(self.layer_windows, config.kv_cache_groups)
+        self.policy = build_policy(config.kv_policy, config.kv_policy_options)
+        check_policy_groups(self.policy, self.groups)
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
         self.spec_config = SpeculativeConfig.parse(config.speculative)
         self.draft = load_draft_model(self.spec_config, self.loaded, self.device, self.max_model_len, self.policy,
@@ -59,10 +63,10 @@ class LLMEngine:
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
-                                 self.max_model_len, prefix, config.max_num_seqs)
+                                 self.max_model_len, prefix, config.max_num_seqs, self.groups)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        self.runner = ModelRunner(self.loaded.model, self.kv, self.device, cfg.sliding_window, decode)
+        self.runner = ModelRunner(self.loaded.model, self.kv, self.device, self.layer_windows, decode)
         if self.policy.evicts:
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
@@ -81,20 +85,33 @@ class LLMEngine:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
         draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
         if draft_spec is None:
-            num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs)
+            num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
         else:  # each block also holds the draft model's K/V of the same tokens
-            num_blocks = shared_num_blocks(self.spec, draft_spec, self.format, c.block_size, budget, c.max_num_seqs)
-        need = blocks_for_tokens(self.max_model_len, c.block_size)
+            num_blocks = shared_num_blocks(self.spec, self.groups, draft_spec, self.format, c.block_size, budget,
+                                           c.max_num_seqs)
+        need = self._blocks_one_sequence(self.max_model_len)
         if num_blocks < need and c.max_model_len is None and num_blocks > 0:
-            self.max_model_len = num_blocks * c.block_size  # the model's full context does not fit: cap it
-            need = num_blocks
+            lengths = range(c.block_size, self.max_model_len + 1, c.block_size)
+            fits = max((n for n in lengths if self._blocks_one_sequence(n) <= num_blocks), default=0)
+            if fits:  # the model's full context does not fit: cap it
+                self.max_model_len, need = fits, self._blocks_one_sequence(fits)
         if num_blocks < need or num_blocks == 0:
-            per_block = sum(bytes_per_block(s, self.format, c.block_size) for s in (self.spec, draft_spec) if s)
+            per_block = bytes_per_block(self.spec, self.format, c.block_size, self.groups)
+            per_block += bytes_per_block(draft_spec, self.format, c.block_size) if draft_spec else 0
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
                 f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
                 "raise kv_cache_memory or lower max_model_len")
         return num_blocks
+
+    def _blocks_one_sequence(self, length: int) -> int:
+        """Blocks one sequence of `length` tokens may hold at once: a sliding group holds its window plus the
+        step's new tokens (a prefill chunk of up to max_num_batched_tokens), not more than the whole length."""
+        c, whole = self.config, blocks_for_tokens(length, self.config.block_size)
+        if c.kv_layout == "contiguous":
+            return whole * len(self.groups)
+        return sum(min(whole, blocks_for_tokens(g.window + c.max_num_batched_tokens, c.block_size) + 1)
+                   if g.sliding else whole for g in self.groups)
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(self.layer_idx, meta, k, v)
-        out = attend(q, kv.layers[self.layer_idx], meta, self.scale)
+        out = attend(q, kv.layers[self.layer_idx], meta.for_layer(self.layer_idx), self.scale)
         return self.o_proj(out.reshape(t, -1))
 
 

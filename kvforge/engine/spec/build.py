@@ -32,6 +32,11 @@ def build_drafter(config: SpeculativeConfig, model: torch.nn.Module, kv: KVCache
     if config.method == "layer_skip":
         return LayerSkipDrafter(model, config.drafted_layers(len(model.model.layers)), kv.pool)
     if config.method == "draft":
+        windows = set(draft.config.layer_windows()) | {g.window for g in kv.groups}
+        if len(kv.groups) > 1 or len(windows) > 1:
+            raise ConfigError("speculative method 'draft' needs a target whose layers form one KV group and a draft "
+                              f"with the same attention window; got target groups {kv.groups} and draft windows "
+                              f"{sorted(set(draft.config.layer_windows()), key=str)}")
         pool = KVPool(draft.config.kv_cache_spec(), kv.format, kv.num_blocks, kv.block_size,
                       next(model.parameters()).device, max_num_seqs)
         return DraftModelDrafter(draft.model, pool)

@@ -15,6 +15,7 @@ import torch
 from kvforge.attention import AttentionMetadata
 from kvforge.engine.spec.model_drafter import ModelDrafter
 from kvforge.errors import ConfigError, TokenizerMismatchError
+from kvforge.kv.groups import KVGroup
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.memory import bytes_per_block, side_bytes
 from kvforge.kv.pool import KVPool
@@ -70,8 +71,10 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
                                      f"{a.id_to_token(differ)!r} in the target; a draft must share the target's tokenizer")
 
 
-def shared_num_blocks(target: KVCacheSpec, draft: KVCacheSpec, fmt: KVFormat, block_size: int, budget: int,
-                      max_num_seqs: int) -> int:
+def shared_num_blocks(target: KVCacheSpec, groups: list[KVGroup] | None, draft: KVCacheSpec, fmt: KVFormat,
+                      block_size: int, budget: int, max_num_seqs: int) -> int:
     """Blocks of the one budget when each holds target and draft K/V (both pools' side buffers come first)."""
-    usable = budget - side_bytes(target, fmt, block_size, max_num_seqs) - side_bytes(draft, fmt, block_size, max_num_seqs)
-    return max(0, int(usable // (bytes_per_block(target, fmt, block_size) + bytes_per_block(draft, fmt, block_size))))
+    usable = (budget - side_bytes(target, fmt, block_size, max_num_seqs, groups)
+              - side_bytes(draft, fmt, block_size, max_num_seqs))
+    per_block = bytes_per_block(target, fmt, block_size, groups) + bytes_per_block(draft, fmt, block_size)
+    return max(0, int(usable // per_block))

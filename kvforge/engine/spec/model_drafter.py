@@ -46,7 +46,18 @@ class ModelDrafter:
 
 
 def _row_metadata(meta: AttentionMetadata, seqs: list[int], j: int) -> AttentionMetadata:
-    """One query row (the j-th new row) of each listed sequence, attending to its cache up to that row."""
+    """One query row (the j-th new row) of each listed sequence, in every KV group's view of the step."""
+    if meta.layer_views is None:
+        return _row_view(meta, seqs, j)
+    made: dict[int, AttentionMetadata] = {}
+    views = [made.setdefault(id(v), _row_view(v, seqs, j)) for v in meta.layer_views]
+    out = made.get(id(meta)) or _row_view(meta, seqs, j)
+    out.layer_views = views
+    return out
+
+
+def _row_view(meta: AttentionMetadata, seqs: list[int], j: int) -> AttentionMetadata:
+    """One view: row j of each listed sequence, attending to its cache up to that row."""
     rows = [meta.query_start_loc[i] + j for i in seqs]
     return AttentionMetadata(
         slot_mapping=meta.slot_mapping[rows],
