@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_block_accounting import ops, run_program
-from test_speculative import FORMATS, make, run
+from test_speculative import FORMATS, PROMPTS, make, run
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
@@ -153,3 +153,20 @@ def test_layer_skip_needs_a_proper_subset_and_draft_refuses_eviction(tiny_loaded
         make(tiny_loaded, {**SKIP, "num_layers": 2})
     with pytest.raises(ConfigError, match="evicting kv_policy 'h2o'"):
         make(tiny_loaded, draft_spec(tiny_dir), kv_policy="h2o", kv_policy_options={"budget": 24, "slack": 4})
+
+
+def test_layer_skip_over_kv_groups(tmp_path):
+    """A hybrid model (full and sliding-window groups): the drafter's one-row steps use each group's view."""
+    from tiny_models import write_tiny_model
+
+    write_tiny_model("qwen2-hybrid", tmp_path)
+    loaded = load_model(str(tmp_path))
+    kw = {"blocks": None, "max_num_batched_tokens": 16, "enable_prefix_caching": False}
+    prompts = [p * 2 for p in PROMPTS]  # past the 12-token window
+    off = run(make(loaded, None, **kw), prompts=prompts)
+    on_engine = make(loaded, {**SKIP, "num_layers": 2}, **kw)
+    assert len(on_engine.kv.groups) == 2
+    assert [o.token_ids for o in run(on_engine, prompts=prompts)] == [o.token_ids for o in off]
+    assert on_engine.stats()["spec_num_accepted_tokens"] > 0
+    with pytest.raises(ConfigError, match="one KV group"):
+        make(loaded, draft_spec(str(tmp_path)))
