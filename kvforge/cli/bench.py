@@ -63,7 +63,10 @@ def register(sub) -> None:
     f.set_defaults(func=run_kv_formats)
 
     sp = bsub.add_parser("spec", help="speculative decoding vs plain decoding on grounded and open-ended prompts")
-    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods (default: every method: ngram)")
+    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods: ngram layer_skip draft (default: ngram layer_skip, plus draft "
+                    "with --draft-model)")
+    sp.add_argument("--draft-model", default=None, help="the draft method's model (default: the target itself, "
+                    "a correctness check, not a speedup)")
     sp.add_argument("--batches", type=int, nargs="*", default=[1, 8], help="concurrent sequences (default: 1 8)")
     sp.add_argument("--prompts", type=int, default=3, help="prompts run one at a time at batch 1 (default: 3)")
     sp.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt (default: 96)")
@@ -71,6 +74,8 @@ def register(sub) -> None:
     sp.add_argument("--texts", nargs="*", default=["hamlet", "macbeth", "gpl-3"],
                     help="texts the grounded passages come from (default: hamlet macbeth gpl-3)")
     sp.add_argument("--spec-options", default=None, help='options for every method as JSON, e.g. \'{"num_speculative_tokens": 8}\' (default: none)')
+    sp.add_argument("--verify-cost", action="store_true",
+                    help="instead: time one verification step of 1 + k rows against a one-row decode step")
     _output_options(sp, model=True)
     sp.set_defaults(func=run_spec)
 
@@ -174,9 +179,17 @@ def run_spec(args) -> int:
     from kvforge.models.loader import load_model
     from kvforge.options import json_object
 
+    if args.verify_cost:
+        from kvforge.bench.verify_cost import verify_cost
+
+        r = verify_cost(load_model(args.model))
+        _emit(r, args.json, [(name, (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), LM head '
+                                     f'{row["lm_head_ms"]:.1f} ms')) for name, row in r["steps"].items()])
+        return 0
     r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
                    args.passage_tokens, not args.no_progress, texts=tuple(args.texts),
-                   spec_options=json_object("--spec-options", args.spec_options, '{"num_speculative_tokens": 8}'))
+                   spec_options=json_object("--spec-options", args.spec_options, '{"num_speculative_tokens": 8}'),
+                   draft_model=args.draft_model)
     rows = []
     for name in r["methods"]:
         for workload, by_batch in r[name].items():

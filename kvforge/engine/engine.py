@@ -15,6 +15,8 @@ from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.spec import SpeculativeConfig, SpeculativeDecoder
+from kvforge.engine.spec.build import build_drafter, load_draft_model
+from kvforge.engine.spec.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
@@ -24,6 +26,7 @@ from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.models.loader import LoadedModel, load_model
+from kvforge.models.packed_linear import pack_linears
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -40,6 +43,7 @@ class LLMEngine:
         self._request_seeds = random.Random(config.seed)  # seed=None: fresh OS entropy every run
         self.loaded = loaded or load_model(config.model, self.device)
         self.model_config = cfg = self.loaded.config
+        pack_linears(self.loaded.model)  # CPU fp32: oneDNN with packed weights (a no-op elsewhere)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.spec = cfg.kv_cache_spec()
@@ -50,6 +54,9 @@ class LLMEngine:
         self.policy = build_policy(config.kv_policy, config.kv_policy_options)
         check_policy_groups(self.policy, self.groups)
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
+        self.spec_config = SpeculativeConfig.parse(config.speculative)
+        self.draft = load_draft_model(self.spec_config, self.loaded, self.device, self.max_model_len, self.policy,
+                                      self.format, config.block_size)  # None unless method 'draft'
         num_blocks = self._num_blocks()
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
@@ -64,9 +71,9 @@ class LLMEngine:
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
-        if config.speculative:
-            self.runner.speculator = SpeculativeDecoder(SpeculativeConfig.parse(config.speculative), self.length_limit,
-                                                        self.runner.evictor)
+        if self.spec_config:
+            drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
+            self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
@@ -76,7 +83,12 @@ class LLMEngine:
         budget = c.kv_cache_memory
         if budget is None:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
-        num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
+        draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
+        if draft_spec is None:
+            num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
+        else:  # each block also holds the draft model's K/V of the same tokens
+            num_blocks = shared_num_blocks(self.spec, self.groups, draft_spec, self.format, c.block_size, budget,
+                                           c.max_num_seqs)
         need = self._blocks_one_sequence(self.max_model_len)
         if num_blocks < need and c.max_model_len is None and num_blocks > 0:
             lengths = range(c.block_size, self.max_model_len + 1, c.block_size)
@@ -85,6 +97,7 @@ class LLMEngine:
                 self.max_model_len, need = fits, self._blocks_one_sequence(fits)
         if num_blocks < need or num_blocks == 0:
             per_block = bytes_per_block(self.spec, self.format, c.block_size, self.groups)
+            per_block += bytes_per_block(draft_spec, self.format, c.block_size) if draft_spec else 0
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
                 f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
@@ -252,6 +265,7 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.request_id in rejected:
                 self.kv.rollback(seq)
+                self.runner.speculator.rollback(seq, self.kv)
         bs = self.kv.block_size
         for seq, prev in zip(batch.seqs, before):
             if seq.num_computed_tokens // bs > prev // bs:

@@ -56,7 +56,7 @@ def hybrid_loaded(tmp_path_factory):
     return load_model(str(d))
 
 
-def run_program(loaded, num_blocks, program, prefix_caching, layout, speculative) -> None:
+def accounting_engine(loaded, num_blocks, prefix_caching, layout, speculative) -> LLMEngine:
     # blocks of 4 tokens, each 2 layer slots (llama-gqa: 2 layers; hybrid: groups of 2): preemption happens often
     cfg = EngineConfig(kv_cache_memory=num_blocks * 4 * 2 * 2 * 2 * 16 * 4, block_size=4, max_model_len=64,
                        max_num_seqs=6, max_num_batched_tokens=24, enable_prefix_caching=prefix_caching,
@@ -64,6 +64,11 @@ def run_program(loaded, num_blocks, program, prefix_caching, layout, speculative
                                                       "prompt_lookup_min": 1} if speculative else None)
     engine = LLMEngine(cfg, loaded)
     assert engine.kv.num_blocks == num_blocks
+    return engine
+
+
+def run_program(engine: LLMEngine, program) -> None:
+    """Run an `ops` program, checking the accounting after every operation and step, then drain and reset."""
     shared = list(range(5, 25))
     ids = []
     for op in program:
@@ -89,14 +94,14 @@ def run_program(loaded, num_blocks, program, prefix_caching, layout, speculative
 @given(program=ops, prefix_caching=st.booleans(), layout=st.sampled_from(["paged", "contiguous"]),
        speculative=st.booleans())
 def test_random_workloads_never_leak(tiny_loaded, program, prefix_caching, layout, speculative):
-    run_program(tiny_loaded, 24, program, prefix_caching, layout, speculative)
+    run_program(accounting_engine(tiny_loaded, 24, prefix_caching, layout, speculative), program)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=ops, prefix_caching=st.booleans(), speculative=st.booleans())
 def test_random_workloads_never_leak_with_two_kv_groups(hybrid_loaded, program, prefix_caching, speculative):
     """Full and sliding-window groups share the allocator; sliding tables free blocks behind the window."""
-    run_program(hybrid_loaded, 36, program, prefix_caching, "paged", speculative)
+    run_program(accounting_engine(hybrid_loaded, 36, prefix_caching, "paged", speculative), program)
 
 
 def test_preemption_happens_and_recovers(tiny_loaded):

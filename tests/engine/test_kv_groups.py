@@ -149,11 +149,12 @@ def test_every_format_works_per_group(hybrid, fmt):
     _, loaded = hybrid
     logits = []
     for groups in (True, False):
-        engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=4, kv_cache_dtype=fmt, max_num_seqs=2,
-                                        kv_cache_groups=groups), loaded)
+        options = {"group_size": 16} if fmt in ("int4", "kivi2") else None  # the tiny model's head_dim is 16
+        engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=8, kv_cache_dtype=fmt, max_num_seqs=2,
+                                        kv_cache_options=options, kv_cache_groups=groups), loaded)  # 8 > 4 sinks
         kv = engine.kv
-        assert kv.pool.allocated_bytes() == pool_bytes(engine.spec, engine.format, 4, kv.num_blocks, 2, kv.groups)
-        logits.append(position_logits(engine, TOKENS, chunk_size=4))
+        assert kv.pool.allocated_bytes() == pool_bytes(engine.spec, engine.format, 8, kv.num_blocks, 2, kv.groups)
+        logits.append(position_logits(engine, TOKENS, chunk_size=8))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
 
 
