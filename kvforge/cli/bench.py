@@ -30,7 +30,7 @@ def register(sub) -> None:
     m.add_argument("--model", default=None, help=MODEL_HELP)
     h = m.add_argument_group("hybrid attention (models with sliding-window layers): KV groups vs every layer kept full")
     h.add_argument("--hybrid-seq-len", type=int, default=4096, help="tokens per sequence, prompt + output")
-    h.add_argument("--hybrid-requests", type=int, default=16, help="sequences in the workload")
+    h.add_argument("--hybrid-requests", type=int, default=8, help="sequences in the workload")
     h.add_argument("--hybrid-budget-seqs", type=int, default=2,
                    help="KV budget: this many sequences with every layer kept full")
     m.set_defaults(func=run_memory)

@@ -11,7 +11,8 @@ from kvforge.options import json_object
 def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) -> None:
     g = p.add_argument_group("engine (vLLM's names where vLLM has the option)")
     if model_option:
-        g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
+        g.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or packaged name (gemma3-270m; "
+                       "default: embedded SmolLM2-135M)")
     memory = g.add_mutually_exclusive_group()
     memory.add_argument("--kv-memory", "--kv-cache-memory", default=None, metavar="SIZE",
                         help="KV cache budget, e.g. 512MiB, 2GB (default: --gpu-memory-utilization of free memory)")

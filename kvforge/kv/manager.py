@@ -16,6 +16,7 @@ from kvforge.kv.memory import blocks_for_tokens, bytes_per_block
 from kvforge.kv.pool import KVPool
 from kvforge.kv.prefix import PrefixTree
 from kvforge.kv.request_kv import RequestKV
+from kvforge.kv.sliding_prefix import SlidingPrefixTree
 from kvforge.kv.spec import KVCacheSpec
 
 _EMPTY = RequestKV()
@@ -34,7 +35,8 @@ class KVCacheManager:
         self.block_bytes = bytes_per_block(spec, fmt, block_size, self.groups)
         caching = enable_prefix_caching and layout == "paged"
         # one tree per group: the same token keys, each group's own blocks
-        self.prefix_trees = [PrefixTree(self.allocator, block_size) for _ in self.groups] if caching else []
+        self.prefix_trees = [SlidingPrefixTree(self.allocator, block_size, g) if g.sliding
+                             else PrefixTree(self.allocator, block_size) for g in self.groups] if caching else []
         self.prefix_tree = self.prefix_trees[0] if caching else None
         self.requests: dict[str, RequestKV] = {}
         self.prefix_queried_tokens = 0
@@ -112,9 +114,15 @@ class KVCacheManager:
         return num
 
     def _peek(self, tokens, salt) -> int:
-        """Tokens every group's tree has cached (a hit needs all full-attention blocks and each sliding
-        group's blocks up to the hit point; their trees hold whole paths, so the shortest path decides)."""
-        return min(tree.peek_prefix(tokens, salt) for tree in self.prefix_trees)
+        """Tokens cached in every group: all full-attention blocks, and each sliding group's blocks of the
+        last window before the hit point."""
+        num = min(tree.peek_prefix(tokens, salt) for tree in self.prefix_trees)
+        while True:
+            usable = min([num] + [t.usable_prefix(tokens[:num], salt) for t in self.prefix_trees
+                                  if isinstance(t, SlidingPrefixTree)])
+            if usable == num:
+                return num
+            num = usable
 
     def record_admission(self, req) -> None:
         """Count the prefix-cache lookup of a request that was admitted (hits are its computed tokens)."""
@@ -173,8 +181,8 @@ class KVCacheManager:
                 j -= 1
 
     def _reclaim(self, num_blocks: int) -> int:
-        freed = 0
-        for tree in self.prefix_trees:
+        freed = 0  # sliding trees first: what they drop lies behind some window
+        for tree in sorted(self.prefix_trees, key=lambda t: not isinstance(t, SlidingPrefixTree)):
             if freed >= num_blocks:
                 break
             freed += tree.reclaim(num_blocks - freed)
@@ -194,8 +202,6 @@ class KVCacheManager:
         if not state.prefix_nodes:
             state.prefix_nodes = [None] * len(self.groups)
         for g, (tree, table) in enumerate(zip(self.prefix_trees, state.block_tables)):
-            if table[0] == NULL_BLOCK and NULL_BLOCK in table[tree.peek_prefix(tokens, req.cache_salt) // self.block_size: full]:
-                continue  # blocks behind the window are gone and were never cached: nothing to offer
             _, node = tree.insert(tokens, table[:full], salt=req.cache_salt)
             tree.lock(node)
             if state.prefix_nodes[g] is not None:

@@ -19,8 +19,8 @@ from gguf.quants import dequantize
 
 from kvforge.errors import KVForgeError, ModelLoadError
 from kvforge.models.config import ModelConfig
-from kvforge.models.gguf_quants import dequantize_torch
 from kvforge.models.gemma_config import GEMMA_ARCHES, GGUF_LAYER_NAMES, LAYER_NORMS, gemma_from_gguf
+from kvforge.models.gguf_quants import dequantize_torch
 from kvforge.models.tokenizer import Tokenizer
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}

@@ -22,7 +22,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(blocks, 0))
+    return blocks[:, 2:].view(torch.int8).float().mul_(_f16(blocks, 0))
 
 
 def q4_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -34,9 +34,9 @@ def q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    high = blocks[:, 2:6].contiguous().view(torch.int32) >> torch.arange(32, dtype=torch.int32)
-    q = _nibbles(blocks[:, 6:]).to(torch.int32) | ((high & 1) << 4)
-    return _f16(blocks, 0) * (q - 16).float()
+    bits = (blocks[:, 2:6, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # the 32 fifth bits, little-endian
+    q = _nibbles(blocks[:, 6:]) | (bits.reshape(-1, 32) << 4)
+    return _f16(blocks, 0) * (q.to(torch.int8) - 16).float()
 
 
 def q4_k(blocks: torch.Tensor) -> torch.Tensor:

@@ -117,15 +117,15 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         kv_heads = heads
         head_dim = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
     theta, scaling = _rope(cfg) if arch not in GEMMA_ARCHES else (10000.0, None)
-    fields = dict(
-        rope_theta=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=arch == "qwen3",
-        sliding_window=int(sliding) if sliding else None,
-        layer_types=layer_types,
-        extra=extra,
-    )
+    fields = {
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "qk_norm": arch == "qwen3",
+        "sliding_window": int(sliding) if sliding else None,
+        "layer_types": layer_types,
+        "extra": extra,
+    }
     if arch in GEMMA_ARCHES:
         fields.update(gemma_from_hf(cfg, arch))
     return ModelConfig(
