@@ -124,13 +124,16 @@ def recent(length: int, n: int) -> torch.Tensor:
     return torch.arange(max(0, length - n), length)
 
 
-def top_with_recent(scores: torch.Tensor, budget: int, num_recent: int) -> torch.Tensor:
-    """The num_recent last indices plus the highest-scoring others, budget in all, sorted."""
+def top_with_recent(scores: torch.Tensor, budget: int, num_recent: int, sinks: int = 0) -> torch.Tensor:
+    """The num_recent last indices, the first `sinks`, and the highest-scoring others, budget in all, sorted."""
     length = scores.shape[0]
     if budget >= length:
         return torch.arange(length)
     num_recent = min(num_recent, budget)
     older = length - num_recent
+    if sinks:
+        scores = scores.clone()
+        scores[: min(sinks, older)] = float("inf")
     heavy = torch.topk(scores[:older], budget - num_recent).indices if budget > num_recent else scores.new_zeros(0).long()
     return torch.sort(torch.cat([heavy, recent(length, num_recent)])).values
 

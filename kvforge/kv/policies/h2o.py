@@ -16,12 +16,14 @@ class H2OPolicy(KVPolicy):
 
     recent: a token count, or a fraction of the budget. The paper splits evenly (0.5); on SmolLM2-135M a
         larger recent share measured better (8k tokens, budget 0.5: +3.31% at 0.5, +2.53% at 0.75), so 0.75.
+    sinks: the first tokens of the sequence, always kept (StreamingLLM's attention sinks; default 0).
     Scores are summed over layers and heads (one kept set per sequence). Keys keep logical positions.
     """
 
     name = "h2o"
     needs_attention = True
     recent: int | float = 0.75
+    sinks: int = 0
 
     def num_recent(self, budget: int) -> int:
         return int(self.recent * budget) if isinstance(self.recent, float) else min(self.recent, budget)
@@ -32,4 +34,4 @@ class H2OPolicy(KVPolicy):
 
     def select(self, length: int, budget: int, state: PolicyState) -> torch.Tensor:
         state.grow(length)
-        return top_with_recent(state.scores[:length], budget, self.num_recent(budget))
+        return top_with_recent(state.scores[:length], budget, self.num_recent(budget), self.sinks)
