@@ -89,6 +89,11 @@ def text_names() -> list[str]:
     return [*PLAYS, *BUILT, "gpl-3", "apache-2.0", "(any file in /usr/share/common-licenses)"]
 
 
+def is_named(text: str) -> bool:
+    """Every '+'-joined part is a text load_text knows by name."""
+    return all(p in PLAYS or p in BUILT or _license_path(p) for p in text.split("+"))
+
+
 def _license_path(name: str) -> str | None:
     """/usr/share/common-licenses/NAME, matched without regard to case (Debian's base-files ships them)."""
     if not os.path.isdir(LICENSES):
