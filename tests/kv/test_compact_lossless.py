@@ -7,7 +7,7 @@ from kvforge.kv.spec import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=32, v_head_dim=32)
 BS, BLOCKS, ROWS = 16, 12, 150
-FORMATS = [("int8", {}), ("fp8_e4m3", {"sinks": 4}), ("int4", {"group_size": 16}),
+FORMATS = [("int8", {}), ("fp8_e4m3", {"sinks": 4, "window": 0}), ("fp8_e4m3", {}), ("int4", {"group_size": 16}),
            ("int4", {"group_size": 16, "key_axis": "token"}), ("kivi2", {"group_size": 16, "window": 32}),
            ("int4", {"group_size": 16, "window": 32, "outlier_frac": 0.02})]
 
@@ -57,13 +57,23 @@ def test_streaming_compaction_is_lossless(name, options):
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
 
-@pytest.mark.parametrize("name,options", [f for f in FORMATS if f[0] in ("int8", "fp8_e4m3") or "key_axis" in f[1]])
+@pytest.mark.parametrize("name,options", [("int8", {}), ("fp8_e4m3", {"sinks": 4, "window": 0}),
+                                          ("int4", {"group_size": 16, "key_axis": "token", "window": 0})])
 def test_scattered_compaction_of_per_token_rows_is_lossless(name, options):
     """H2O-style keep sets (the sinks and rows from anywhere): rows stored per token move slot by slot,
     unchanged. (A row moved under a sink entry, when a policy drops a sink, is held there in fp16.)"""
     keep = scattered(seed=1)
     before, after = compacted(name, options, keep)
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+def test_scattered_rows_into_a_staged_block_keep_their_fp16_value():
+    """With an fp16 window, rows that land in a staged block are held as the fp16 of what they decoded to;
+    every other row keeps its codes."""
+    before, after = compacted("fp8_e4m3", {"window": 16}, scattered(seed=3))
+    for b, a in zip(before, after):
+        assert torch.equal(b.half().float(), a.half().float())
+        assert torch.equal(a[: -2 * BS], b[: -2 * BS])
 
 
 def test_regrouped_per_channel_keys_are_encoded_once():

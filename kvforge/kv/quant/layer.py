@@ -135,7 +135,8 @@ class QuantLayerKV(LayerKV):
     def move(self, src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
         """Rows keep their codes and parameters: per-token parts move slot by slot; a destination block
         filled from one source block at the same offsets takes that block's parts whole (per-channel too).
-        Only rows of other destination blocks are decoded and re-encoded (staged ones stay exact fp16)."""
+        Only per-channel parts of other destination blocks are encoded again (once); rows landing in a
+        staged (fp16 window) block are held there as the fp16 of their decoded values."""
         src, dst = src.long(), dst.long()
         k, v = self.read_rows(src, block_size)
         if self.direct:
@@ -145,6 +146,7 @@ class QuantLayerKV(LayerKV):
                     flat[dst] = flat[src]
             self._set_sink_rows(dst, [k, v])
             return
+        codes = [[p.view(-1, *p.shape[2:])[src] for p in ps] if c.per_token else [] for c, ps in zip(self.codecs, self.parts)]
         whole, dst_blocks, src_blocks, covered = self._whole_blocks(src, dst)
         if len(dst_blocks):
             if self.stage is not None:
@@ -158,6 +160,9 @@ class QuantLayerKV(LayerKV):
         if bool(rest.any()):
             self.write(dst[rest], k[rest], v[rest] if v is not None else None)
             self._set_sink_rows(dst[rest], [k[rest], v[rest] if v is not None else None])
+            for ps, saved in zip(self.parts, codes):  # per-token codes as they were (staged rows hold fp16 copies)
+                for p, rows in zip(ps, saved):
+                    p.view(-1, *p.shape[2:])[dst[rest]] = rows[rest]
 
     def _whole_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Destination blocks whose rows all come from one source block at the same offsets, apart from rows
