@@ -35,7 +35,8 @@ def register(sub) -> None:
                        help="with --panel, also score FORMAT[:OPTIONS][+POLICY:BUDGET[:OPTIONS]], e.g. "
                             "'int4:{\"group_size\": 32}' or 'int8+h2o:0.5' (repeatable)")
     panel.add_argument("--rows-file", default=None,
-                       help="with --panel, append each scored row to this JSON-lines file and skip rows already in it")
+                       help="with --panel, append each scored row to this JSON-lines file and skip rows already in it "
+                            "(default: none)")
     ppl.set_defaults(func=run_ppl)
     register_passkey(esub)
 
