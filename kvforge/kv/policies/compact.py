@@ -35,20 +35,22 @@ def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
     shift = index - keep + (length - m)
     turned = shift != 0 if rotary is not None else torch.zeros(m, dtype=torch.bool)
     if bool(moved.any()) or bool(turned.any()):
-        device = kv.pool.layers[0].tensors()[0].device
-        table = torch.tensor(kv.block_table(seq)[: blocks_for_tokens(length, bs)], dtype=torch.long, device=device)
+        device = kv.pool.slots[0].tensors()[0].device
+        for group in kv.full_groups:  # sliding-window groups bound themselves
+            table = torch.tensor(kv.block_table(seq, group)[: blocks_for_tokens(length, bs)], dtype=torch.long,
+                                 device=device)
 
-        def slots(idx: torch.Tensor) -> torch.Tensor:
-            idx = idx.to(device)
-            return table[idx // bs] * bs + idx % bs
+            def slots(idx: torch.Tensor) -> torch.Tensor:
+                idx = idx.to(device)
+                return table[idx // bs] * bs + idx % bs
 
-        for layer in kv.pool.layers:
-            if bool(moved.any()):
-                layer.move(slots(keep[moved]), slots(index[moved]), bs)
-            if bool(turned.any()):
-                at = slots(index[turned])
-                k, v = layer.read_rows(at, bs)
-                layer.rewrite(at, rerotate(k, shift[turned], rotary), v)
+            for layer in kv.pool.slots:
+                if bool(moved.any()):
+                    layer.move(slots(keep[moved]), slots(index[moved]), bs)
+                if bool(turned.any()):
+                    at = slots(index[turned])
+                    k, v = layer.read_rows(at, bs)
+                    layer.rewrite(at, rerotate(k, shift[turned], rotary), v)
     kv.truncate(seq, m)
     kv.record_evicted(seq, length - m)
     return length - m
