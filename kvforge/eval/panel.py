@@ -6,6 +6,7 @@ which a rerun reads back so an interrupted sweep resumes where it stopped.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -72,8 +73,7 @@ def panel_eval(loaded, variants: list[Variant], texts: list[str] | None = None, 
     texts = texts or list(PANEL)
     rows = [r for r in _read_rows(rows_file) if r["tokens_requested"] == max_tokens]
     done = {(r["text"], r["variant"]): r for r in rows}
-    sink = open(rows_file, "a", encoding="utf-8") if rows_file else None
-    try:
+    with open(rows_file, "a", encoding="utf-8") if rows_file else contextlib.nullcontext() as sink:
         for name in texts:
             todo = [v for v in variants if (name, v.label) not in done]
             if not todo:
@@ -87,9 +87,6 @@ def panel_eval(loaded, variants: list[Variant], texts: list[str] | None = None, 
             for v in todo:
                 r, bpt = _score(loaded, ids, v.options)
                 _emit(_row(name, v.label, r, base["ppl"], max_tokens, bpt), rows, sink, log)
-    finally:
-        if sink:
-            sink.close()
     wanted = {v.label for v in variants} | {BASELINE}
     rows = [r for r in rows if r["text"] in texts and r["variant"] in wanted]
     return {"texts": texts, "tokens": max_tokens, "rows": rows, "variants": summarize(rows)}

@@ -59,9 +59,9 @@ def code_comments(source: str) -> str:
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
             out.append(tok.string.lstrip("#").strip())
-        elif tok.type == tokenize.STRING and prev in (tokenize.INDENT, tokenize.NEWLINE, tokenize.DEDENT):
-            if tok.string.lstrip("rbuRBU").startswith(('"""', "'''")):
-                out.append(tok.string.strip("rbuRBU\"'").strip())
+        elif (tok.type == tokenize.STRING and prev in (tokenize.INDENT, tokenize.NEWLINE, tokenize.DEDENT)
+              and tok.string.lstrip("rbuRBU").startswith(('"""', "'''"))):
+            out.append(tok.string.strip("rbuRBU\"'").strip())
         if tok.type not in (tokenize.NL, tokenize.COMMENT):
             prev = tok.type
     return "\n".join(line for line in out if line and not line.startswith("!"))

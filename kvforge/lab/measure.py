@@ -44,9 +44,8 @@ def _command(ctx: LabContext, *words: str | float) -> str:
 def measure_quality(ctx: LabContext, p: dict) -> dict:
     """Decode-faithful perplexity of one format (+ policy) on the quality text, as `kvforge eval ppl` scores it."""
     from kvforge.eval.ppl import engine_for, perplexity
-    from kvforge.kv.memory import bytes_per_token
-
     from kvforge.eval.texts import load_text
+    from kvforge.kv.memory import bytes_per_token
 
     ids, text_args = ctx.ids, ctx.text_args
     if p.get("text"):

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import kvforge.eval.panel as panel
 from kvforge.errors import ConfigError
+from kvforge.eval import panel
 from kvforge.eval.panel import BASELINE, panel_eval, parse_variant
 from kvforge.eval.texts import HELD_OUT, PANEL, code_comments, load_text
 

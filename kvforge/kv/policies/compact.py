@@ -15,6 +15,12 @@ def rerotate(k: torch.Tensor, shift: torch.Tensor, rotary) -> torch.Tensor:
     return apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
 
 
+def _slots(table: torch.Tensor, idx: torch.Tensor, bs: int) -> torch.Tensor:
+    """Flat slot ids of cache indices idx under a block table."""
+    idx = idx.to(table.device)
+    return table[idx // bs] * bs + idx % bs
+
+
 def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
     """Keep cache indices `keep` (sorted) of seq, in order, at indices 0..len(keep)-1; returns tokens dropped.
 
@@ -40,15 +46,11 @@ def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
             table = torch.tensor(kv.block_table(seq, group)[: blocks_for_tokens(length, bs)], dtype=torch.long,
                                  device=device)
 
-            def slots(idx: torch.Tensor) -> torch.Tensor:
-                idx = idx.to(device)
-                return table[idx // bs] * bs + idx % bs
-
             for layer in kv.pool.slots:
                 if bool(moved.any()):
-                    layer.move(slots(keep[moved]), slots(index[moved]), bs)
+                    layer.move(_slots(table, keep[moved], bs), _slots(table, index[moved], bs), bs)
                 if bool(turned.any()):
-                    at = slots(index[turned])
+                    at = _slots(table, index[turned], bs)
                     k, v = layer.read_rows(at, bs)
                     layer.rewrite(at, rerotate(k, shift[turned], rotary), v)
     kv.truncate(seq, m)
