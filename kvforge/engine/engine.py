@@ -22,6 +22,7 @@ from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
 from kvforge.kv.policies import Evictor, build_policy
 from kvforge.kv.policies.stats import AttentionStats
+from kvforge.kv.tiers.setup import attach_tiers
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
@@ -53,6 +54,8 @@ class LLMEngine:
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
                                  self.max_model_len, prefix, config.max_num_seqs)
+        self.tiers = attach_tiers(self.kv, config.kv_tiers, self.loaded.model, self.format, self.spec) \
+            if config.kv_tiers else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, cfg.sliding_window, decode)
@@ -145,6 +148,11 @@ class LLMEngine:
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
         return True
+
+    def close(self) -> None:
+        """Finish queued tier stores and close tier connections (the engine serves nothing after this)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
