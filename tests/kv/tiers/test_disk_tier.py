@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from helpers import ask_each, docs, engine, twice
+from tier_helpers import ask_each, docs, engine, twice
 
 from kvforge.kv.tiers.disk import SUFFIX, DiskTier
 from kvforge.kv.tiers.keys import BlockKey

@@ -3,7 +3,7 @@ second asks served from the tier, every block accounted for."""
 from __future__ import annotations
 
 import pytest
-from helpers import BS, ask_each, docs, engine, twice
+from tier_helpers import BS, ask_each, docs, engine, twice
 
 FORMATS = [("fp32", None), ("fp16", None), ("bf16", None), ("int8", None), ("fp8_e4m3", None),
            ("int4", {"group_size": 16}), ("kivi2", {"group_size": 16, "window": 8})]
