@@ -269,6 +269,7 @@ class LLMEngine:
         s.update({
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "loading": len(self.scheduler.loading),
             "preemptions": self.scheduler.num_preemptions,
             "generated_tokens": self.generated_tokens,
             "kv_cache_dtype": self.format.name,

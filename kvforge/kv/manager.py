@@ -16,11 +16,12 @@ from kvforge.kv.pool import KVPool
 from kvforge.kv.prefix import PrefixTree
 from kvforge.kv.request_kv import RequestKV
 from kvforge.kv.spec import KVCacheSpec
+from kvforge.kv.tiers.hooks import TierHooks
 
 _EMPTY = RequestKV()
 
 
-class KVCacheManager:
+class KVCacheManager(TierHooks):
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
                  max_num_seqs: int = 1):
@@ -35,8 +36,6 @@ class KVCacheManager:
         self.prefix_hit_tokens = 0
         self.peak_blocks_used = 0
         self.prefix_short_prompts = 0  # prompts of at most one block: nothing of them can ever be cached
-        self.tiers = self.keys = None  # set by attach_tiers
-        self.tier_hit_tokens = 0  # prompt tokens loaded from tiers (part of prefix_hit_tokens)
 
     @property
     def num_blocks(self) -> int:
@@ -90,54 +89,8 @@ class KVCacheManager:
             state.prefix_node, state.num_matched = match.node, match.num_tokens
             state.block_table.extend(match.block_ids)
         if self.tiers is not None:
-            return self._load_from_tiers(req, usable, match.num_tokens)
+            self._load_from_tiers(req, usable, match.num_tokens)
         return match.num_tokens
-
-    # -- tiers below the pool -------------------------------------------------------------------
-
-    def attach_tiers(self, tiers, keys) -> None:
-        """Blocks the prefix tree reclaims go to `tiers` (a kvforge.kv.tiers.chain.TierChain), and admission
-        continues a prefix match through them; `keys` (a KeySpace) names blocks by content."""
-        self.tiers, self.keys = tiers, keys
-        if self.prefix_tree is not None:
-            self.prefix_tree.on_reclaim = self._store_reclaimed
-
-    def _store_reclaimed(self, node) -> None:
-        salt, tokens = self.prefix_tree.path(node)
-        keys = self.keys.chain(tokens, salt)[-len(node.block_ids):]
-        self.tiers.store(list(zip(keys, self.pool.export_blocks(node.block_ids))))
-
-    def _load_from_tiers(self, req, usable: int, matched: int) -> int:
-        """Continue a pool match of `matched` tokens block by block through the tiers: hit blocks are loaded into
-        new pool blocks and enter the prefix tree. Returns the tokens req now has computed."""
-        bs = self.block_size
-        keys = self.keys.chain(req.token_ids[:usable], req.cache_salt)[matched // bs:]
-        where = self.tiers.leading_run(keys) if keys else []
-        if not where:
-            return matched
-        if not self.allocator.can_allocate(len(where)):
-            self.prefix_tree.reclaim(len(where) - self.allocator.num_free)
-        where = where[:self.allocator.num_free]
-        payloads = self.tiers.load(keys[:len(where)], where)
-        good = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
-        if not good:
-            return matched
-        ids = self.allocator.allocate(good)
-        try:
-            self.pool.import_blocks(ids, payloads[:good])
-        except ValueError:  # a payload of another layout (checked stores make this a bug, not a miss to hide)
-            self.allocator.decref(ids)
-            raise
-        state = self._state(req)
-        state.block_table.extend(ids)
-        state.num_matched = matched + good * bs
-        self.tier_hit_tokens += good * bs
-        _, node = self.prefix_tree.insert(req.token_ids[:state.num_matched], state.block_table, salt=req.cache_salt)
-        self.prefix_tree.lock(node)
-        if state.prefix_node is not None:
-            self.prefix_tree.unlock(state.prefix_node)
-        state.prefix_node = node
-        return state.num_matched
 
     def record_admission(self, req) -> None:
         """Count the prefix-cache lookup of a request that was admitted (hits are its computed tokens)."""
@@ -218,6 +171,7 @@ class KVCacheManager:
             return
         if cache:
             self._cache_full_blocks(req, state)
+        self._cancel_load(state)
         if state.prefix_node is not None:
             self.prefix_tree.unlock(state.prefix_node)
         for table in state.block_tables:
@@ -249,5 +203,5 @@ class KVCacheManager:
             "prefix_reclaimed_blocks": tree.reclaimed_blocks if tree is not None else 0,
             "prefix_cache_granularity_tokens": self.block_size,
             "prefix_short_prompts": self.prefix_short_prompts,
-            **(self.tiers.stats_dict() | {"tier_hit_tokens": self.tier_hit_tokens} if self.tiers is not None else {}),
+            **self.tier_stats(),
         }

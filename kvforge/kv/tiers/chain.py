@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvforge.kv.tiers.base import Tier
 from kvforge.kv.tiers.keys import BlockKey
@@ -30,6 +31,7 @@ class TierChain:
         self._warned: set[int] = set()
         self._worker = threading.Thread(target=self._run, name="kvforge-tier-store", daemon=True)
         self._worker.start()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-tier-load")
 
     # -- lookups and loads (the engine's thread) -----------------------------------------------
 
@@ -82,6 +84,10 @@ class TierChain:
                 self.stats[t].loaded(len(good), sum(len(p) for p in good), seconds)
         return out
 
+    def fetch(self, keys: list[BlockKey], where: list[int]) -> Future:
+        """`load` on the load worker thread: the engine keeps stepping other requests meanwhile."""
+        return self._loader.submit(self.load, keys, where)
+
     # -- stores (queued; the worker writes) ----------------------------------------------------
 
     def store(self, items: list[tuple[BlockKey, bytes]]) -> None:
@@ -97,6 +103,7 @@ class TierChain:
         self._queue.join()
 
     def close(self) -> None:
+        self._loader.shutdown(wait=True)
         self.flush()
         self._queue.put(None)
         self._worker.join(timeout=10)
