@@ -56,7 +56,9 @@ class LLMEngine:
                                  self.max_model_len, prefix, config.max_num_seqs)
         self.tiers = attach_tiers(self.kv, config.kv_tiers, self.loaded.model, self.format, self.spec) \
             if config.kv_tiers else None
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.preemption_mode = self._preemption_mode()
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+                                   self.preemption_mode)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, cfg.sliding_window, decode)
         if self.policy.evicts:
@@ -69,6 +71,16 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
+
+    def _preemption_mode(self) -> str:
+        """swap needs a tier to swap to; by default it is chosen when a KV policy evicts (recompute cannot rebuild a
+        compacted cache) and a host tier exists."""
+        mode, tiers = self.config.preemption_mode, self.config.kv_tiers or []
+        if mode == "swap" and not tiers:
+            raise ConfigError("preemption_mode='swap' needs a KV tier to swap to, e.g. kv_tiers=['host:4GiB']")
+        if mode is None:
+            mode = "swap" if self.policy.evicts and any(t.startswith("host:") for t in tiers) else "recompute"
+        return mode
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -271,6 +283,8 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "loading": len(self.scheduler.loading),
             "preemptions": self.scheduler.num_preemptions,
+            "preemption_mode": self.preemption_mode,
+            "preempted_tokens_recomputed": self.scheduler.recomputed_tokens,
             "generated_tokens": self.generated_tokens,
             "kv_cache_dtype": self.format.name,
             "kv_layout": self.config.kv_layout,

@@ -28,8 +28,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True,
+                 preemption_mode: str = "recompute"):
         self.kv = kv
+        self.preemption_mode = preemption_mode
+        self.recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -74,6 +77,10 @@ class Scheduler:
         computing: set = set()  # first blocks that sequences admitted this step are computing right now
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.kv.is_swapped(seq) and not self.kv.can_swap_in(seq):
+                if not self._ready_first():
+                    break
+                continue
             seq.num_computed_tokens = self.kv.match_prefix(seq)
             if self.kv.is_loading(seq):
                 self.waiting.popleft()
@@ -96,6 +103,17 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def _ready_first(self) -> bool:
+        """Move waiting sequences that already hold their blocks (loaded or swapped in) to the front, so a swapped
+        sequence waiting for room does not wait on them; False when there are none."""
+        ready = [s for s in self.waiting if self.kv.block_table(s)]
+        if not ready or ready == list(self.waiting)[:len(ready)]:
+            return False
+        for s in ready:
+            self.waiting.remove(s)
+        self.waiting.extendleft(reversed(ready))
+        return True
 
     def _finish_loads(self) -> None:
         """Loaded sequences go back to the front of the queue, in order; with nothing else to run, wait a little."""
@@ -129,7 +147,11 @@ class Scheduler:
         seq.draft_token_ids = []
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self._release(seq)
+        if self.preemption_mode == "swap" and self.kv.swap_out(seq):
+            seq.draft_token_ids = []
+        else:
+            self.recomputed_tokens += seq.num_computed_tokens
+            self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.preemptions += 1
         self.num_preemptions += 1

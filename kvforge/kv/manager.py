@@ -17,11 +17,12 @@ from kvforge.kv.prefix import PrefixTree
 from kvforge.kv.request_kv import RequestKV
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.kv.tiers.hooks import TierHooks
+from kvforge.kv.tiers.swap import SwapHooks
 
 _EMPTY = RequestKV()
 
 
-class KVCacheManager(TierHooks):
+class KVCacheManager(TierHooks, SwapHooks):
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
                  max_num_seqs: int = 1):
@@ -73,8 +74,11 @@ class KVCacheManager(TierHooks):
         """Adopt the longest cached prefix of a waiting request (whole blocks, at least one token left to
         compute); returns the tokens it now has computed. A request still holding an earlier match (it was
         held back) re-matches when the tree has grown since."""
+        if self.is_swapped(req):
+            return self._swap_in(req)
         if self.prefix_tree is None:
-            return req.num_computed_tokens
+            held = self.requests.get(req.request_id)  # a swapped-in request holds its restored tokens
+            return held.num_matched if held is not None else req.num_computed_tokens
         usable = (req.num_tokens - 1) // self.block_size * self.block_size
         held = self.requests.get(req.request_id)
         if held is not None:
@@ -166,6 +170,7 @@ class KVCacheManager(TierHooks):
 
     def free(self, req, cache: bool = True) -> None:
         """Release everything req holds; with `cache`, its computed full blocks stay in the prefix cache first."""
+        self._drop_swapped(req)
         state = self.requests.pop(req.request_id, None)
         if state is None:
             return
@@ -204,4 +209,5 @@ class KVCacheManager(TierHooks):
             "prefix_cache_granularity_tokens": self.block_size,
             "prefix_short_prompts": self.prefix_short_prompts,
             **self.tier_stats(),
+            **(self.swap_stats() if self.tiers is not None else {}),
         }

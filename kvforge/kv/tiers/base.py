@@ -28,5 +28,8 @@ class Tier(ABC):
     @abstractmethod
     def used_bytes(self) -> int: ...
 
+    def discard(self, keys: list[BlockKey]) -> None:
+        """Drop these entries if held (no error when not)."""
+
     def close(self) -> None:
         """Release connections and files (the stored blocks stay where they persist)."""

@@ -70,7 +70,8 @@ class TierChain:
             for i, k in enumerate(keys):
                 out[i] = self.pending.get(k)
         for t, tier in enumerate(self.tiers):
-            ask = [i for i, w in enumerate(where) if w == t and out[i] is None]
+            # -1: queued at lookup time; the worker may have stored it since, so every tier is asked in turn
+            ask = [i for i, w in enumerate(where) if w in (t, -1) and out[i] is None]
             if not ask:
                 continue
             start = time.perf_counter()
@@ -98,6 +99,14 @@ class TierChain:
                 self.pending[k] = v
         self._queue.put(items)
 
+    def discard(self, keys: list[BlockKey]) -> None:
+        """Forget entries nobody will read again (a swap-in's private blocks), queued or stored."""
+        with self._lock:
+            for k in keys:
+                self.pending.pop(k, None)
+        for t, tier in enumerate(self.tiers):
+            self._call(t, tier.discard, keys, default=None, load=False)
+
     def flush(self) -> None:
         """Wait until every queued store is written (tests, benchmarks, shutdown)."""
         self._queue.join()
@@ -119,6 +128,8 @@ class TierChain:
             try:
                 if items is None:
                     return
+                with self._lock:
+                    items = [(k, v) for k, v in items if self.pending.get(k) is v]  # not discarded meanwhile
                 self._put_down(0, items)
             finally:
                 if items is not None:

@@ -117,6 +117,14 @@ class DiskTier(Tier):
             _remove(path)
         return out
 
+    def discard(self, keys):
+        for k in keys:
+            with self._lock:
+                held = k.name in self._index
+            if held:
+                self._forget(k.name)
+                _remove(self._path(k.name))
+
     def _forget(self, name: str) -> None:
         with self._lock:
             size = self._index.pop(name, None)

@@ -17,6 +17,7 @@ class PendingLoad:
     future: Future  # -> list[bytes | None], one per block
     block_ids: list[int]  # pool blocks reserved for them (held by the request)
     matched: int  # tokens the request held from the pool before the load
+    swap: list | None = None  # the private keys of a swap-in (kvforge.kv.tiers.swap); None: a prefix load
 
 
 class TierHooks:
@@ -69,6 +70,9 @@ class TierHooks:
             return False
         state.load = None
         payloads = load.future.result()
+        if load.swap is not None:
+            self._finish_swap_in(state, load, payloads)
+            return True
         good = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
         self.allocator.decref(load.block_ids[good:])
         if not good:
@@ -88,6 +92,8 @@ class TierHooks:
     def _cancel_load(self, state) -> None:
         if state.load is not None:
             self.allocator.decref(state.load.block_ids)
+            if state.load.swap is not None:
+                self.tiers.discard(state.load.swap)
             state.load = None
 
     def tier_stats(self) -> dict:

@@ -48,6 +48,12 @@ class HostTier(Tier):
                     pushed.append((k, v))
         return pushed
 
+    def discard(self, keys):
+        with self._lock:
+            for k in keys:
+                v = self._entries.pop(k, None)
+                self._used -= len(v) if v is not None else 0
+
     def used_bytes(self):
         return self._used
 

@@ -82,6 +82,10 @@ class RedisTier(Tier):
         self._stored += sum(len(p) for _, p in items)
         return []
 
+    def discard(self, keys):
+        if keys:
+            self.client.delete(*[redis_key(k) for k in keys])
+
     def used_bytes(self):
         """Bytes this engine has written (Redis may have evicted some; its own used_memory is server-wide)."""
         return self._stored
