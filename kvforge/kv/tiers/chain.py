@@ -64,25 +64,29 @@ class TierChain:
             run.append(w)
         return run
 
-    def load(self, keys: list[BlockKey], where: list[int]) -> list[bytes | None]:
+    def load(self, keys: list[BlockKey], where: list[int | None]) -> list[bytes | None]:
+        """Payloads of keys found by `lookup` (None: unreadable). A key missing from its tier is looked for further
+        down (the store worker may have pushed it there meanwhile); a failure counts against the tier it was in."""
         out: list[bytes | None] = [None] * len(keys)
         with self._lock:
             for i, k in enumerate(keys):
                 out[i] = self.pending.get(k)
         for t, tier in enumerate(self.tiers):
             # -1: queued at lookup time; the worker may have stored it since, so every tier is asked in turn
-            ask = [i for i, w in enumerate(where) if w in (t, -1) and out[i] is None]
+            ask = [i for i, w in enumerate(where) if w is not None and w <= t and out[i] is None]
             if not ask:
                 continue
             start = time.perf_counter()
-            got = self._call(t, tier.get, [keys[i] for i in ask], default=[None] * len(ask), load=True)
+            got = self._call(t, tier.get, [keys[i] for i in ask], default=[None] * len(ask), load=None)
             seconds = time.perf_counter() - start
             for i, payload in zip(ask, got):
                 out[i] = payload
             good = [p for p in got if p is not None]
-            self.stats[t].failed_loads += len(got) - len(good)
             if good:
                 self.stats[t].loaded(len(good), sum(len(p) for p in good), seconds)
+        for i, w in enumerate(where):
+            if out[i] is None and w is not None and w >= 0:
+                self.stats[w].failed_loads += 1
         return out
 
     def fetch(self, keys: list[BlockKey], where: list[int]) -> Future:
@@ -152,13 +156,15 @@ class TierChain:
             self.stats[t].evicted_blocks += len(pushed) - (len(items) - len(kept))
             items, t = pushed, t + 1
 
-    def _call(self, t: int, fn, arg, default, load: bool):
+    def _call(self, t: int, fn, arg, default, load: bool | None):
+        """fn(arg), or `default` when the tier fails; the failure counts as failed loads (lookups), failed stores,
+        or neither (load=None: `load` counts the blocks it could not read)."""
         try:
             return fn(arg)
         except Exception as e:  # noqa: BLE001 - a tier that fails is a miss; serving goes on
             if load:
                 self.stats[t].failed_loads += len(arg)
-            else:
+            elif load is not None:
                 self.stats[t].failed_stores += len(arg)
             if t not in self._warned:
                 self._warned.add(t)

@@ -63,7 +63,7 @@ class SwapHooks:
         ids = self.allocator.allocate(len(entry.keys))
         state = self._state(req)
         state.num_evicted, state.policy_state, state.num_matched = entry.num_evicted, entry.policy_state, entry.num_computed
-        where = [w if w is not None else -2 for w in self.tiers.lookup(entry.keys)]  # -2: nowhere, reads as a miss
+        where = self.tiers.lookup(entry.keys)  # None: nowhere, reads as a miss
         state.load = PendingLoad(self.tiers.fetch(entry.keys, where), ids, entry.num_computed, swap=entry.keys)
         return entry.num_computed
 
