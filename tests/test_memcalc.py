@@ -298,3 +298,70 @@ def test_hf_config_weights_default_to_its_torch_dtype(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     r = memory_report(str(tmp_path), memory=GiB)
     assert "at fp16, assumed" in r.fits.weights_source
+
+
+# published config.json fields (only those the formula reads, plus model_type), for architectures kvforge does not run
+ANY_CONFIG = {
+    "mixtral": ({"model_type": "mixtral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "num_hidden_layers": 32, "num_local_experts": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                 "sliding_window": None, "max_position_embeddings": 32768}, 2 * 32 * 8 * 128),
+    "falcon-7b": ({"model_type": "falcon", "hidden_size": 4544, "num_attention_heads": 71, "n_layer": 32,
+                   "multi_query": True, "new_decoder_architecture": False, "vocab_size": 65024}, 2 * 32 * 1 * 64),
+    "phi3-mini": ({"model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 32,
+                   "num_hidden_layers": 32, "sliding_window": 2047, "max_position_embeddings": 4096,
+                   "intermediate_size": 8192, "vocab_size": 32064}, 2 * 32 * 32 * 96),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ANY_CONFIG))
+def test_any_decoder_config_by_its_standard_fields(tmp_path, name, capsys):
+    raw, elements = ANY_CONFIG[name]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    r = memory_report(str(tmp_path), seq_len=1024)
+    assert r.per_token_bytes == elements * 2 and r.arch == raw["model_type"]
+    assert main(["memory", "--model", str(tmp_path), "--seq-len", "1024", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["per_token_bytes"] == elements * 2
+
+
+def test_any_config_missing_a_needed_field_is_named(tmp_path):
+    raw = dict(ANY_CONFIG["mixtral"][0])
+    del raw["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="lacks num_attention_heads"):
+        resolve_model(str(tmp_path))
+
+
+def test_memory_model_positional_and_option_must_agree(capsys):
+    assert main(["memory", "llama-2-7b", "--model", "llama-3-8b"]) == 2
+    assert "two models given" in capsys.readouterr().err
+
+
+GEMMA3_270M = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144,
+               "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+               "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512, "max_position_embeddings": 32768,
+               "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256}
+GPT_OSS_20B = {"model_type": "gpt_oss", "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+               "head_dim": 64, "hidden_size": 2880, "sliding_window": 128, "num_local_experts": 32,
+               "intermediate_size": 2880, "vocab_size": 201088, "max_position_embeddings": 131072,
+               "layer_types": ["sliding_attention", "full_attention"] * 12}
+
+
+@pytest.mark.parametrize("seq_len,full_rows,window_rows", [(4096, 4096, 512), (4001, 4016, 528), (300, 304, 304)])
+def test_gemma3_hybrid_per_sequence_bytes_by_hand(tmp_path, seq_len, full_rows, window_rows):
+    """3 full-attention layers keep every token, 15 keep the blocks that hold the last 512 (1 KV head x 256 x 2 x fp16
+    = 1,024 B per layer per row); rows are whole 16-token blocks."""
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_270M))
+    r = memory_report(str(tmp_path), seq_len=seq_len)
+    assert (r.full_attention_layers, r.window_layers, r.window) == (3, 15, 512)
+    assert r.per_sequence_bytes == (3 * full_rows + 15 * window_rows) * 1024
+    assert r.full_attention_per_token_bytes == 3 * 1024 and r.window_cap_bytes == 15 * 528 * 1024
+    assert r.per_token_bytes == 18 * 1024  # every layer, per token it holds
+
+
+def test_gpt_oss_alternating_windows_by_hand(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
+    r = memory_report(str(tmp_path), seq_len=8192, memory=80 * GiB, weights=0)
+    per_row = 2 * 8 * 64 * 2
+    assert r.per_sequence_bytes == (12 * 8192 + 12 * 128) * per_row
+    assert r.fits.max_batch == 80 * GiB // r.per_sequence_bytes
+    assert any("12 of 24 layers keep a 128-token sliding window" in n for n in r.notes)

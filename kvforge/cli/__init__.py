@@ -14,6 +14,7 @@ import importlib
 import sys
 
 from kvforge.cli.formatting import apply_formatter, package_version
+from kvforge.cli.signals import sigint_to_main_thread
 from kvforge.errors import KVForgeError
 
 SUBCOMMANDS = ["chat", "generate", "serve", "memory", "advise", "eval", "bench", "lab"]
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    with sigint_to_main_thread():  # the threads torch starts at import never take Ctrl-C
+        parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
     except KVForgeError as e:

@@ -105,11 +105,13 @@ def _save_history(readline) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvforge import LLM
+    from kvforge.cli.signals import sigint_to_main_thread
     from kvforge.cli.streaming import stream_request
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    llm = LLM(**engine_kwargs(args))
+    with sigint_to_main_thread():
+        llm = LLM(**engine_kwargs(args))
     tok = llm.get_tokenizer()
     if tok is None or not tok.chat_template:
         raise ConfigError("this model has no chat template; use kvforge generate --raw for plain completion")

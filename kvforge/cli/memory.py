@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvforge.errors import ConfigError
 from kvforge.memcalc import WEIGHT_BYTES_PER_PARAM, MemoryReport, memory_report, parse_size, resolve_model
 from kvforge.presets import PRESETS
 
@@ -12,8 +13,10 @@ EPILOG = f"presets: {', '.join(PRESETS)}"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("memory", help="KV cache memory calculator", description=__doc__, epilog=EPILOG)
-    p.add_argument("model", nargs="?", default="smollm2-135m",
-                   help="preset name, Hugging Face config.json (or its directory), or .gguf file")
+    p.add_argument("model", nargs="?", default=None,
+                   help="preset name, any decoder's config.json (or its directory), or .gguf file "
+                        "(default smollm2-135m)")
+    p.add_argument("--model", dest="model_option", metavar="MODEL", help="the same, as an option")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context length)")
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--kv-dtype", default="fp16", help="KV storage format (default fp16)")
@@ -45,8 +48,10 @@ def tier_capacity(tiers: list[str] | None, bytes_per_token: float) -> list[dict]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model and args.model_option and args.model != args.model_option:
+        raise ConfigError(f"two models given ({args.model!r} and --model {args.model_option!r}); give one")
     report = memory_report(
-        resolve_model(args.model), seq_len=args.seq_len, batch=args.batch, kv_dtype=args.kv_dtype,
+        resolve_model(args.model_option or args.model or "smollm2-135m"), seq_len=args.seq_len, batch=args.batch, kv_dtype=args.kv_dtype,
         block_size=args.block_size, memory=None if args.memory is None else parse_size(args.memory),
         weights=None if args.weights is None else parse_size(args.weights), weights_dtype=args.weights_dtype,
     )
@@ -79,6 +84,9 @@ def format_report(r: MemoryReport) -> str:
         "",
         f"  elements per token   {r.per_token_elements:>12,}",
         f"  bytes per token      {_bytes(r.per_token_bytes)}",
+        *([(f"    full-attention     {_bytes(r.full_attention_per_token_bytes)}  per token, {r.full_attention_layers} "
+            f"layers; the {r.window_layers} window layers hold at most {human(r.window_cap_bytes)} per sequence")]
+          if r.window_layers else []),
         f"  per sequence         {_bytes(r.per_sequence_bytes)}",
         *([f"    of which fp16 side {_bytes(r.side_bytes_per_sequence)}  (staging, window, sinks)"]
           if r.side_bytes_per_sequence else []),

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from kvforge.engine.engine import LLMEngine
 from kvforge.errors import InvalidRequestError
 from kvforge.server import serving
-from kvforge.server.echo import add_echo
+from kvforge.server.echo import add_echo, echoes
 from kvforge.server.engine_loop import EngineLoop
 from kvforge.server.errors import (
     APIError,
@@ -138,11 +138,14 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
 
     async def run(request: Request, req, prompts: list[list[int]], kind: str, key: str | None) -> Response:
         prepared = serving.prepare(req, prompts, engine, salt(key, req.cache_salt), kind, name, limits.max_tokens)
+        echo = getattr(req, "echo", False)
+        prefixes = await echoes(loop, prompts, req.logprobs) if echo and req.stream else None
         group = await serving.submit(loop, prepared)
         if req.stream:
-            return StreamingResponse(serving.stream(loop, group, prepared, tokenizer), media_type="text/event-stream")
+            return StreamingResponse(serving.stream(loop, group, prepared, tokenizer, prefixes),
+                                     media_type="text/event-stream")
         body = await serving.collect(loop, group, prepared, request.is_disconnected)
-        if getattr(req, "echo", False):
+        if echo:
             body = await add_echo(loop, body, prompts, req.n, req.logprobs)
         return JSONResponse(body) if body is not None else Response(status_code=499)
 
@@ -163,8 +166,14 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
                 raise APIError(400, f"prompt has {longest} tokens; this server's max_model_len is "
                                f"{engine.max_model_len}", param="prompt", code="context_length_exceeded")
             shaper = Shaper("completion", name, req.logprobs is not None)
+            used = usage(sum(len(p) for p in prompts), 0, 0)
+            if req.stream:
+                prefixes = await echoes(loop, prompts, req.logprobs)
+                wanted = used if req.stream_options and req.stream_options.include_usage else None
+                return StreamingResponse(serving.echo_stream(shaper, prefixes, req.n, wanted),
+                                         media_type="text/event-stream")
             choices = [shaper.choice(i, "", "length", []) for i in range(len(prompts) * req.n)]
-            body = shaper.response(choices, usage(sum(len(p) for p in prompts), 0, 0))
+            body = shaper.response(choices, used)
             return JSONResponse(await add_echo(loop, body, prompts, req.n, req.logprobs))
         return await run(request, req, prompts, "completion", key)
 

@@ -5,6 +5,8 @@ scored through the engine's own cache (kvforge.engine.scoring) on the engine loo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvforge.engine.sampler import top_logprobs
@@ -39,23 +41,39 @@ def echo_logprobs(prompt_entries: list[dict], generated: dict | None, prompt_tex
     return out
 
 
+@dataclass
+class Echo:
+    """What a completion choice is prefixed with: its prompt's text and, when asked, the prompt's logprobs."""
+    text: str
+    entries: list[dict] | None
+
+    def logprobs(self, generated: dict | None) -> dict | None:
+        return None if self.entries is None else echo_logprobs(self.entries, generated, self.text)
+
+
+async def echoes(loop, prompts: list[list[int]], logprobs: int | None) -> list[Echo]:
+    """One Echo per prompt, scored on the engine loop thread between steps."""
+    texts = [await loop.call(lambda e, ids=ids: e.tokenizer.decode(ids)) for ids in prompts]
+    if logprobs is None:
+        return [Echo(t, None) for t in texts]
+    try:
+        entries = [await loop.call(lambda e, ids=ids: _score(e, ids, logprobs)) for ids in prompts]
+    except OutOfKVMemoryError as e:
+        raise APIError(503, f"no room in the KV cache to score the prompt for echo right now ({e}); retry later",
+                       "server_error") from None
+    return [Echo(t, x) for t, x in zip(texts, entries)]
+
+
 async def add_echo(loop, body: dict | None, prompts: list[list[int]], n: int, logprobs: int | None) -> dict | None:
     """Prefix each choice of a completions body with its prompt (text, and logprobs when asked)."""
     if body is None:
         return None
-    texts = [await loop.call(lambda e, ids=ids: e.tokenizer.decode(ids)) for ids in prompts]
-    entries = None
-    if logprobs is not None:
-        try:
-            entries = [await loop.call(lambda e, ids=ids: _score(e, ids, logprobs)) for ids in prompts]
-        except OutOfKVMemoryError as e:
-            raise APIError(503, f"no room in the KV cache to score the prompt for echo right now ({e}); retry later",
-                           "server_error") from None
+    prefixes = await echoes(loop, prompts, logprobs)
     for choice in body["choices"]:
-        p = choice["index"] // n
-        if entries is not None:
-            choice["logprobs"] = echo_logprobs(entries[p], choice.get("logprobs"), texts[p])
-        choice["text"] = texts[p] + choice["text"]
+        echo = prefixes[choice["index"] // n]
+        if echo.entries is not None:
+            choice["logprobs"] = echo.logprobs(choice.get("logprobs"))
+        choice["text"] = echo.text + choice["text"]
     return body
 
 

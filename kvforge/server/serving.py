@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvforge.errors import InvalidRequestError, PromptTooLongError
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
+from kvforge.server.echo import Echo
 from kvforge.server.engine_loop import EngineLoop, RequestGroup, Submission
 from kvforge.server.errors import APIError, bad_request, server_error
 from kvforge.server.protocol import ChatRequest, CompletionRequest
@@ -73,8 +74,6 @@ def refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
     if req.logit_bias:
         raise bad_request("logit_bias is not supported; send the request without it", "logit_bias")
     if isinstance(req, CompletionRequest):
-        if req.echo and req.stream:
-            raise bad_request("echo is supported without streaming only; send stream: false", "echo")
         if req.suffix:
             raise bad_request("suffix (fill-in-the-middle) is not supported; send the request without it", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -136,20 +135,25 @@ async def collect(loop: EngineLoop, group: RequestGroup, p: Prepared,
     return p.shaper.response(choices, _usage(p, finals))
 
 
-async def stream(loop: EngineLoop, group: RequestGroup, p: Prepared, tokenizer) -> AsyncIterator[str]:
-    """Server-sent events; aborts the unfinished requests when the client goes away (the generator is cancelled)."""
+async def stream(loop: EngineLoop, group: RequestGroup, p: Prepared, tokenizer,
+                 echoes: list[Echo] | None = None) -> AsyncIterator[str]:
+    """Server-sent events; aborts the unfinished requests when the client goes away (the generator is cancelled).
+    With `echoes` (completions' echo), each choice's first chunk is its prompt; generated offsets follow it."""
     finals: dict[int, RequestOutput] = {}
     try:
         texts = [ChoiceText(tokenizer, p.prompts[i // p.n], p.stop) for i in range(len(group.ids))]
+        shift = [len(echoes[i // p.n].text) if echoes else 0 for i in range(len(group.ids))]
         if p.shaper.kind == "chat":
             for i in range(len(group.ids)):
                 yield _sse(p.shaper.chunk(i, "", None, role=True))
+        for i in range(len(group.ids) if echoes else 0):
+            yield _sse(echo_chunk(p.shaper, i, echoes[i // p.n]))
         while len(finals) < len(group.ids):
             for index, item in await group.mailbox.get():
                 if isinstance(item, Exception):
                     raise item
                 t = texts[index]
-                offset = len(t.sent)
+                offset = shift[index] + len(t.sent)
                 delta = t.delta(item.new_token_ids, item.finished, item.text)
                 logprobs = t.new_logprobs(item.logprobs)
                 if item.finished:
@@ -166,6 +170,21 @@ async def stream(loop: EngineLoop, group: RequestGroup, p: Prepared, tokenizer) 
         left = [rid for i, rid in enumerate(group.ids) if i not in finals]
         if left:
             loop.abort(left)
+
+
+def echo_chunk(shaper: Shaper, index: int, echo: Echo, finish_reason: str | None = None) -> dict:
+    chunk = shaper.chunk(index, echo.text, finish_reason)
+    chunk["choices"][0]["logprobs"] = echo.logprobs(None)
+    return chunk
+
+
+async def echo_stream(shaper: Shaper, echoes: list[Echo], n: int, usage_: dict | None) -> AsyncIterator[str]:
+    """A streamed echo with nothing generated (max_tokens 0): one chunk per choice, its prompt."""
+    for i in range(len(echoes) * n):
+        yield _sse(echo_chunk(shaper, i, echoes[i // n], "length"))
+    if usage_ is not None:
+        yield _sse(shaper.usage_chunk(usage_))
+    yield "data: [DONE]\n\n"
 
 
 def _api_error(e: Exception) -> APIError:

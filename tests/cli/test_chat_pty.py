@@ -21,6 +21,8 @@ def test_chat_session_survives_ctrl_c_and_keeps_history(tmp_path):
         s.expect(r"\w+ \w+")
         s.send("\x03")  # Ctrl-C while generating: the answer stops, the session stays
         assert "[stopped]" in s.expect("you> ")
+        s.send("\x03")  # Ctrl-C at an empty prompt: a fresh prompt at once, the session stays
+        s.expect("you> ", timeout=10)
         s.send("/system Be brief.\r")
         assert "[system prompt set]" in s.expect("you> ")
         s.send("helo\x1b[D\x1b[Dl\r")  # typed "helo", two left arrows, "l": readline edits it to "hello"

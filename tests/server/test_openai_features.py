@@ -46,6 +46,23 @@ def test_echo_with_generation_prefixes_text_and_logprobs(client, offline, model_
     assert c.logprobs.text_offset[len(want.prompt_token_ids)] == len(PROMPT)
 
 
+@pytest.mark.parametrize("max_tokens", [0, 4])
+def test_streamed_echo_equals_the_whole_response(client, model_name, max_tokens):
+    kw = {"model": model_name, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "echo": True,
+          "logprobs": 1}
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert chunks[0].text == PROMPT  # the prompt comes first, then what is generated
+    assert "".join(c.text for c in chunks) == whole.text
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    scores = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert scores[0] is None and whole.logprobs.token_logprobs[0] is None
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(scores[1:], whole.logprobs.token_logprobs[1:]))
+    assert chunks[-1].finish_reason == "length"
+
+
 @pytest.mark.parametrize("extra", [
     {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]},
     {"response_format": {"type": "json_object"}},

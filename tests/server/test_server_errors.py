@@ -24,7 +24,6 @@ BAD = [
     ("/v1/completions", b'{"prompt": [1, -5]}', 400, "prompt", "token ids"),
     ("/v1/completions", b'{"prompt": "hi", "model": "gpt-4"}', 404, "model", "does not exist"),
     ("/v1/completions", b'{"prompt": "hi", "frequency_penalty": 2.5}', 400, "frequency_penalty", "must be in [-2, 2]"),
-    ("/v1/completions", b'{"prompt": "hi", "echo": true, "stream": true}', 400, "echo", "without streaming only"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}', 400, "tools",
      "not supported"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages", "non-empty"),

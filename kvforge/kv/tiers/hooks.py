@@ -42,7 +42,7 @@ class TierHooks:
         keys = self.keys.chain(req.token_ids[:usable], req.cache_salt)[matched // self.block_size:]
         where = self.tiers.leading_run(keys) if keys else []
         if where and not self.allocator.can_allocate(len(where)):
-            self.prefix_tree.reclaim(len(where) - self.allocator.num_free)
+            self._reclaim(len(where) - self.allocator.num_free)
         where = where[:self.allocator.num_free]
         if not where:
             return
@@ -86,7 +86,7 @@ class TierHooks:
         self.prefix_tree.lock(node)
         if state.prefix_node is not None:
             self.prefix_tree.unlock(state.prefix_node)
-        state.prefix_node = node
+        state.prefix_nodes[:1] = [node]  # tiers run with one KV group (the engine refuses more)
         return True
 
     def _cancel_load(self, state) -> None:
