@@ -74,9 +74,8 @@ class AttentionMetadata:
         if self._all_decode_cache is None:
             rows = self.decode_rows
             width = max(len(self.block_tables[i]) for i in rows)
-            table = torch.zeros(len(rows), width, dtype=torch.long)
-            for r, i in enumerate(rows):
-                table[r, : len(self.block_tables[i])] = torch.tensor(self.block_tables[i])
+            table = torch.tensor([self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in rows],
+                                 dtype=torch.long)
             lens = torch.tensor([self.context_lens[i] for i in rows], dtype=torch.long)
             identity = len(rows) == len(self.query_lens)
             q_index = None if identity else torch.tensor([self.query_start_loc[i] for i in rows], device=device)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.errors import ModelLoadError
-from kvforge.ops.layers import rms_norm, silu_mul
+from kvforge.ops.layers import linear, rms_norm, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +36,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+            return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

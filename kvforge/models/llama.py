@@ -5,14 +5,13 @@ Parameter names follow Hugging Face, so checkpoints load with load_state_dict.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
-from kvforge.ops.layers import rope
+from kvforge.ops.layers import linear, rope
 
 
 class Attention(nn.Module):
@@ -42,7 +41,7 @@ class Attention(nn.Module):
         if self.qkv_weight is None:
             return (self.q_proj(x).view(t, heads, self.head_dim), self.k_proj(x).view(t, kv_heads, self.head_dim),
                     self.v_proj(x).view(t, kv_heads, self.head_dim))
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, heads + 2 * kv_heads, self.head_dim)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, heads + 2 * kv_heads, self.head_dim)
         return qkv.split_with_sizes([heads, kv_heads, kv_heads], dim=1)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv: KVPool) -> torch.Tensor:
@@ -53,7 +52,7 @@ class Attention(nn.Module):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         kv.write(self.layer_idx, meta, k, v)
         out = attend(q, kv.layers[self.layer_idx], meta, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return linear(out.reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -104,4 +103,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return linear(hidden, self.lm_head.weight)

@@ -3,6 +3,7 @@ that need no gradient, else the torch reference (ops/layers_reference.py), calle
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvforge.ops import layers_reference
 from kvforge.ops.build import disabled, load_compiled
@@ -34,3 +35,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _compiled(gate_up):
         return torch.ops.kvforge.silu_mul(gate_up)
     return layers_reference.silu_mul(gate_up)
+
+
+SMALL_ROWS = 4  # up to this many rows the compiled small_linear beats the BLAS for every decoder matmul measured
+SMALL_ROWS_WIDE = 32  # and up to this many for wide outputs (the vocabulary projection)
+WIDE = 8192
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the compiled small_linear for the few rows of a decode step (`python -m
+    kvforge.ops.bench_matmul` measures both)."""
+    rows = x.shape[0] if x.dim() == 2 else SMALL_ROWS_WIDE + 1
+    if rows <= (SMALL_ROWS_WIDE if weight.shape[0] >= WIDE else SMALL_ROWS) and _compiled(x):
+        return torch.ops.kvforge.small_linear(x, weight, bias)
+    return F.linear(x, weight, bias)

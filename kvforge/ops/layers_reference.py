@@ -22,3 +22,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
