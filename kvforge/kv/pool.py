@@ -1,25 +1,40 @@
-"""KVPool: the physical block storage of every layer, shaped by spec x format."""
+"""KVPool: the physical block storage, shaped by spec x format x KV groups.
+
+Storage is `group_size` layer slots of `num_blocks` blocks each; `layers[i]` is the slot that serves model
+layer i (layers of different groups share a slot, and never a block id). Without groups every layer is
+its own slot.
+"""
 from __future__ import annotations
 
 import torch
 
+from kvforge.kv.groups import KVGroup
 from kvforge.kv.layer_format import KVFormat
+from kvforge.kv.memory import layer_slots
 from kvforge.kv.spec import KVCacheSpec
 
 
 class KVPool:
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
-                 max_num_seqs: int = 1):
+                 max_num_seqs: int = 1, groups: list[KVGroup] | None = None):
         self.spec, self.format, self.num_blocks, self.block_size = spec, fmt, num_blocks, block_size
-        self.layers = [fmt.allocate(spec, num_blocks, block_size, device, max_num_seqs) for _ in range(spec.num_layers)]
+        seqs = max_num_seqs * (len(groups) if groups else 1)
+        self.slots = [fmt.allocate(spec, num_blocks, block_size, device, seqs) for _ in range(layer_slots(spec, groups))]
+        self.layers = list(self.slots)
+        if groups:
+            self.layers = [None] * spec.num_layers
+            for group in groups:
+                for slot, layer in enumerate(group.layers):
+                    self.layers[layer] = self.slots[slot]
 
     def write(self, layer: int, meta, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        self.layers[layer].write(meta.slot_mapping, k, v, meta.positions)
+        view = meta.for_layer(layer)
+        self.layers[layer].write(view.slot_mapping, k, v, view.positions)
 
     def forget_rows(self, block: int, offset: int) -> None:
         """Rows from `offset` on in `block` hold nothing valid any more (a rollback)."""
-        for layer in self.layers:
+        for layer in self.slots:
             layer.forget_rows(block, offset)
 
     def allocated_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
+        return sum(t.numel() * t.element_size() for layer in self.slots for t in layer.tensors())

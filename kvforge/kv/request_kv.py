@@ -4,17 +4,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-NUM_KV_GROUPS = 1  # every layer shares one block table today; per-layer KV groups add tables here
-
 
 @dataclass
 class RequestKV:
-    block_tables: list[list[int]] = field(default_factory=lambda: [[] for _ in range(NUM_KV_GROUPS)])
-    prefix_node: Any = None  # the locked prefix-tree node (kvforge.kv.prefix.RadixNode) while the request holds it
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])  # one per KV group (kvforge.kv.groups)
+    prefix_nodes: list[Any] = field(default_factory=list)  # locked prefix-tree node per group's tree (RadixNode)
     num_matched: int = 0  # tokens adopted from the prefix cache at admission
-    num_evicted: int = 0  # computed tokens a KV policy dropped from the cache
+    num_evicted: int = 0  # computed tokens a KV policy dropped from the cache (full-attention groups)
     policy_state: Any = None  # the KV policy's statistics (kvforge.kv.policies.PolicyState)
 
     @property
     def block_table(self) -> list[int]:
         return self.block_tables[0]
+
+    @property
+    def prefix_node(self) -> Any:
+        return self.prefix_nodes[0] if self.prefix_nodes else None

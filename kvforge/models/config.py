@@ -4,12 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvforge.errors import ModelLoadError
 from kvforge.kv.spec import KVCacheSpec
+
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # "llama" (Llama, Mistral, SmolLM), "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"
+    arch: str  # "llama" (Llama, Mistral, SmolLM), "qwen2", "qwen3", "gemma2", "gemma3", "deepseek_v2", "deepseek_v3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -30,6 +33,20 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific (MLA, MoE)
 
+    def __post_init__(self) -> None:
+        if self.layer_types is not None:
+            bad = sorted({t for t in self.layer_types if t not in (FULL, SLIDING)})
+            if len(self.layer_types) != self.num_layers or bad:
+                raise ModelLoadError(
+                    f"layer_types must list one of {FULL!r}, {SLIDING!r} for each of the {self.num_layers} layers; "
+                    f"got {len(self.layer_types)} entries" + (f" including {bad}" if bad else ""))
+            if SLIDING in self.layer_types and not self.sliding_window:
+                raise ModelLoadError("layer_types has sliding_attention layers but no sliding_window is set")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within; None for full attention."""
+        return self.layer_windows()[layer]
+
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
@@ -40,6 +57,15 @@ class ModelConfig:
         if kv_lora_rank:
             return KVCacheSpec(self.num_layers, 1, kv_lora_rank + self.extra["qk_rope_head_dim"], 0)
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.head_dim)
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window in tokens (None = full attention), as transformers applies them: with a
+        `sliding_window`, the layers `layer_types` marks sliding (every layer when there is no list)."""
+        if not self.sliding_window:
+            return [None] * self.num_layers
+        if self.layer_types is None:
+            return [self.sliding_window] * self.num_layers
+        return [self.sliding_window if t == SLIDING else None for t in self.layer_types]
 
     @property
     def attention_kind(self) -> str:

@@ -1,7 +1,7 @@
 """load_gguf: a GGUF file -> ModelConfig, fp32 weights under Hugging Face names, Tokenizer.
 
 The header is parsed here (every read bounds-checked, so a bad file gives a ModelLoadError, not a
-struct or numpy error); tensor data is memory-mapped and dequantized with `gguf.quants`.
+struct or numpy error); tensor data is memory-mapped and dequantized by `gguf_quants` (torch) or, for other block types, `gguf.quants`.
 """
 from __future__ import annotations
 
@@ -19,11 +19,14 @@ from gguf.quants import dequantize
 
 from kvforge.errors import KVForgeError, ModelLoadError
 from kvforge.models.config import ModelConfig
+from kvforge.models.gemma_config import GEMMA_ARCHES, GGUF_LAYER_NAMES, LAYER_NORMS, gemma_from_gguf
+from kvforge.models.gguf_quants import dequantize_torch
 from kvforge.models.tokenizer import Tokenizer
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-_ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+           "gemma3": "gemma3"}
 _PERMUTED_QK = {"llama", "mistral"}  # llama.cpp's converter interleaves q/k rows for its RoPE
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
@@ -147,6 +150,9 @@ def _to_torch(buf: Any, t: GGUFTensor) -> torch.Tensor:
     block, type_size = GGML_QUANT_SIZES[t.qtype]
     byte_shape = (*t.shape[:-1], t.shape[-1] // block * type_size) if t.shape else (type_size,)
     raw = np.frombuffer(buf, np.uint8, t.nbytes, t.start).reshape(byte_shape)
+    fast = dequantize_torch(torch.from_numpy(raw.copy()), t.qtype, type_size)
+    if fast is not None:
+        return fast.reshape(t.shape)
     try:
         values = dequantize(raw, t.qtype)
     except NotImplementedError as e:
@@ -160,12 +166,13 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL:
         return _GLOBAL[name]
+    layer_names = {**_LAYER, **GGUF_LAYER_NAMES} if arch in GEMMA_ARCHES else _LAYER
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -189,6 +196,12 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor], tok
     if heads % kv_heads:
         raise ModelLoadError(f"{path}: {heads} attention heads cannot share {kv_heads} kv heads evenly")
     scaling = meta.get(f"{arch}.rope.scaling.type")
+    head_dim = num("attention.key_length", max(hidden // heads, 1))
+    fields = {
+        "qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+        "sliding_window": meta.get(f"{arch}.attention.sliding_window"),
+        **(gemma_from_gguf(meta, arch, num("block_count"), head_dim) if arch in GEMMA_ARCHES else {}),
+    }
     return ModelConfig(
         arch=_ARCHES[arch],
         vocab_size=tensors["token_embd.weight"].shape[0],
@@ -197,14 +210,12 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor], tok
         num_layers=num("block_count"),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=num("attention.key_length", max(hidden // heads, 1)),
+        head_dim=head_dim,
         rope_theta=num("rope.freq_base", 10000.0, float),
         rms_norm_eps=num("attention.layer_norm_rms_epsilon", kind=float),
         max_position_embeddings=num("context_length", 4096),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         rope_scaling=None if scaling in (None, "none") else {
             "rope_type": scaling,
             "factor": num("rope.scaling.factor", 1.0, float),
@@ -212,6 +223,7 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor], tok
         },
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(meta, tok),
+        **fields,
     )
 
 
@@ -225,7 +237,7 @@ def _expected_shape(hf: str, cfg: ModelConfig) -> tuple[int, ...] | None:
     if int(layer) >= cfg.num_layers:
         return None
     return {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        **{norm: (h,) for norm in LAYER_NORMS},
         "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
         "self_attn.v_proj.bias": (kv,), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
@@ -248,7 +260,8 @@ def _check_tensors(path: str, cfg: ModelConfig, names: dict[str, GGUFTensor]) ->
     if len(layers) != cfg.num_layers:
         needed.append(f"model.layers.{min(set(range(len(layers) + 1)) - layers)}.*")
     else:
-        needed += [f"model.layers.{i}.{r}" for i in range(cfg.num_layers) for r in _REQUIRED]
+        required = _REQUIRED + list(LAYER_NORMS) if cfg.arch in GEMMA_ARCHES else _REQUIRED
+        needed += [f"model.layers.{i}.{r}" for i in range(cfg.num_layers) for r in required]
     missing = [n for n in needed if n not in names]
     if missing:
         raise ModelLoadError(f"{path}: the file lacks tensors a {cfg.num_layers}-layer {cfg.arch} model needs, "
@@ -291,17 +304,20 @@ def _load(path: str, buf: Any) -> tuple[ModelConfig, dict[str, torch.Tensor], To
     tensors = {t.name: t for t in table}
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     config = _config(path, meta, tensors, tokenizer)
-    unknown = [n for n in tensors if _hf_name(n) is None and n not in _IGNORED]
+    arch = meta["general.architecture"]
+    unknown = [n for n in tensors if _hf_name(n, arch) is None and n not in _IGNORED]
     if unknown:
         raise ModelLoadError(f"{path}: tensors {unknown[:5]} have no known Hugging Face name for {config.arch}")
-    named = {_hf_name(n): t for n, t in tensors.items() if n not in _IGNORED}
+    named = {_hf_name(n, arch): t for n, t in tensors.items() if n not in _IGNORED}
     _check_tensors(path, config, named)
-    permuted = meta["general.architecture"] in _PERMUTED_QK
+    permuted = arch in _PERMUTED_QK
     weights: dict[str, torch.Tensor] = {}
     for hf, t in named.items():
         w = _to_torch(buf, t)
         if permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, config.num_heads if "q_proj" in hf else config.num_kv_heads).contiguous()
+        if arch in GEMMA_ARCHES and hf.endswith("norm.weight"):
+            w -= 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; Hugging Face names hold w
         weights[hf] = w
     return config, weights, tokenizer
 

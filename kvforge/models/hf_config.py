@@ -1,4 +1,4 @@
-"""ModelConfig from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, DeepSeek-V2/V3)."""
+"""ModelConfig from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, DeepSeek-V2/V3)."""
 from __future__ import annotations
 
 import json
@@ -7,12 +7,15 @@ from typing import Any
 
 from kvforge.errors import ModelLoadError
 from kvforge.models.config import ModelConfig
+from kvforge.models.gemma_config import GEMMA_ARCHES, gemma_from_hf
 
 ARCH_BY_MODEL_TYPE = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",
 }
@@ -21,6 +24,8 @@ ARCH_BY_CLASS = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
@@ -73,6 +78,30 @@ def _require(cfg: dict[str, Any], *keys: str) -> None:
         raise ModelLoadError(f"config.json lacks required keys {missing}")
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _sliding(cfg: dict[str, Any], arch: str) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, per-layer types) as transformers reads them: Qwen2/3 window only with
+    `use_sliding_window` (default off) and, without `layer_types`, on layers from `max_window_layers` on;
+    Mistral (model_type mistral) windows every layer and ignores `layer_types`."""
+    qwen = arch.startswith("qwen")
+    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", not qwen) else None
+    if not sliding or cfg.get("model_type") == "mistral":
+        return sliding, None
+    types = cfg.get("layer_types")
+    n = int(cfg["num_hidden_layers"])
+    if types is None and qwen:
+        first = int(cfg.get("max_window_layers", 28) if cfg.get("max_window_layers") is not None else 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if types is None:
+        return sliding, None
+    if len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise ModelLoadError(f"config.json layer_types must list one of {LAYER_TYPES} per layer ({n} layers), "
+                             f"got {types!r}")
+    return sliding, list(types)
+
+
 def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Translate a Hugging Face config dict into a ModelConfig."""
     arch = detect_arch(cfg)
@@ -81,15 +110,24 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     extra: dict[str, Any] = {}
-    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    sliding, layer_types = _sliding(cfg, arch)
     if arch.startswith("deepseek"):
         _require(cfg, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         extra = {k: cfg.get(k) for k in MLA_KEYS + MOE_KEYS if k in cfg}
         kv_heads = heads
         head_dim = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
-    elif arch.startswith("qwen") and sliding is not None and cfg.get("max_window_layers") is not None:
-        extra["max_window_layers"] = cfg["max_window_layers"]
-    theta, scaling = _rope(cfg)
+    theta, scaling = _rope(cfg) if arch not in GEMMA_ARCHES else (10000.0, None)
+    fields = {
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "qk_norm": arch == "qwen3",
+        "sliding_window": int(sliding) if sliding else None,
+        "layer_types": layer_types,
+        "extra": extra,
+    }
+    if arch in GEMMA_ARCHES:
+        fields.update(gemma_from_hf(cfg, arch))
     return ModelConfig(
         arch=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -99,17 +137,12 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
-        sliding_window=int(sliding) if sliding else None,
-        rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-        extra=extra,
+        **fields,
     )
 
 

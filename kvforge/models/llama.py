@@ -4,6 +4,8 @@ Parameter names follow Hugging Face, so checkpoints load with load_state_dict.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -51,7 +53,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         kv.write(self.layer_idx, meta, k, v)
-        out = attend(q, kv.layers[self.layer_idx], meta, self.scale)
+        out = attend(q, kv.layers[self.layer_idx], meta.for_layer(self.layer_idx), self.scale)
         return linear(out.reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
 
 
@@ -94,11 +96,13 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool) -> torch.Tensor:
-        """Hidden states [T, hidden] of the flattened tokens of one step."""
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+                layers: Sequence[int] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of the flattened tokens of one step; `layers` runs only those layers
+        (ascending indices), then the final norm (a layer-skip drafter)."""
         cos, sin = self.rotary.cos_sin(meta.positions)
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        for layer in self.model.layers if layers is None else (self.model.layers[i] for i in layers):
             x = layer(x, cos, sin, meta, kv)
         return self.model.norm(x)
 

@@ -1,4 +1,5 @@
-"""Load a model from a path (GGUF file or Hugging Face directory); None means the embedded SmolLM2."""
+"""Load a model from a path (GGUF file or Hugging Face directory) or a packaged model's name; None means the
+embedded SmolLM2."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,6 +12,7 @@ from torch import nn
 
 from kvforge.errors import ModelLoadError
 from kvforge.models.config import ModelConfig
+from kvforge.models.packaged import PACKAGED_MODELS, packaged_model_path
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -33,6 +35,8 @@ def default_model_path() -> str:
 def load_model(path: str | None = None, device: torch.device | str = "cpu") -> LoadedModel:
     path = path or default_model_path()
     p = Path(path)
+    if not p.exists():
+        p = Path(packaged_model_path(path) or path)
     if p.is_dir():
         cfg, weights, tokenizer = _load_hf_dir(p)
     elif p.is_file():
@@ -40,7 +44,8 @@ def load_model(path: str | None = None, device: torch.device | str = "cpu") -> L
 
         cfg, weights, tokenizer = load_gguf(p)
     else:
-        raise ModelLoadError(f"model path {path!r} does not exist; give a .gguf file or a Hugging Face model directory")
+        raise ModelLoadError(f"model path {path!r} does not exist; give a .gguf file, a Hugging Face model directory "
+                             f"or a packaged model name ({', '.join(PACKAGED_MODELS)})")
     model = build_model(cfg, weights).to(device)
     return LoadedModel(cfg, model.eval(), tokenizer, str(p))
 
@@ -61,11 +66,15 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from kvforge.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM
+    if cfg.arch in ("gemma2", "gemma3"):
+        from kvforge.models.gemma import GemmaForCausalLM
+
+        return GemmaForCausalLM
     if cfg.arch in ("deepseek_v2", "deepseek_v3"):
         from kvforge.models.deepseek import DeepseekForCausalLM
 
         return DeepseekForCausalLM
-    raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, deepseek_v2, deepseek_v3")
+    raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, gemma2, gemma3, deepseek_v2, deepseek_v3")
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:

@@ -144,7 +144,7 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(h, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        out_latent = attend_latent(torch.cat((q_latent, q_rope), dim=-1), kv.layers[self.layer_idx], meta,
+        out_latent = attend_latent(torch.cat((q_latent, q_rope), dim=-1), kv.layers[self.layer_idx], meta.for_layer(self.layer_idx),
                                    self.scale, self.kv_lora_rank)
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
         return self.o_proj(out.reshape(t, h * self.v_dim))

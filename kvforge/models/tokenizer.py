@@ -15,6 +15,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from kvforge.errors import InvalidRequestError, ModelLoadError
+from kvforge.models.chat_templates import default_chat_template
+from kvforge.models.spm_tokenizer import sentencepiece_bpe
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -126,10 +128,10 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """Build from a GGUF file's metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ModelLoadError(
-                f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE). "
-                "Load the tokenizer from a directory with tokenizer.json instead."
+                f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+                "'llama' (SentencePiece BPE). Load the tokenizer from a directory with tokenizer.json instead."
             )
         if "tokenizer.ggml.tokens" not in meta:
             raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens; cannot build the tokenizer")
@@ -140,11 +142,11 @@ class Tokenizer:
             return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
         return cls(
-            _byte_level_bpe(meta),
+            _byte_level_bpe(meta) if kind == "gpt2" else sentencepiece_bpe(meta),
             bos_token=token("bos_token_id"),
             eos_token=token("eos_token_id"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            chat_template=meta.get("tokenizer.chat_template"),
+            chat_template=meta.get("tokenizer.chat_template") or default_chat_template(meta.get("general.architecture")),
         )
 
     @classmethod

@@ -60,9 +60,9 @@ def test_sizes_as_strings_and_streaming_beyond_the_context():
     from kvforge.kv.policies import build_policy
 
     assert EngineConfig(kv_cache_memory="512MiB").kv_cache_memory == 512 << 20
-    check_max_model_len(16384, 8192, build_policy("streaming", {"budget": 256}, None))  # positions stay bounded
+    check_max_model_len(16384, 8192, build_policy("streaming", {"budget": 256}))  # positions stay bounded
     with pytest.raises(ConfigError, match="16384 is more than the model's context of 8192"):
-        check_max_model_len(16384, 8192, build_policy("h2o", {"budget": 256}, None))
+        check_max_model_len(16384, 8192, build_policy("h2o", {"budget": 256}))
 
 
 def test_llm_takes_vllm_keyword_names_and_size_strings(smol_loaded):

@@ -91,7 +91,5 @@ def test_bad_options_are_config_errors(name, options):
         build_policy(name, options)
 
 
-def test_sliding_window_models_default_to_window():
-    p = build_policy(None, None, sliding_window=24)
-    assert p.name == "window" and p.budget == 24
+def test_default_policy_is_full():
     assert build_policy(None).name == "full" and not build_policy(None).evicts

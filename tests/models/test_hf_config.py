@@ -109,7 +109,7 @@ def test_architectures_used_when_model_type_missing():
 
 
 def test_unsupported_model_type_names_supported_ones():
-    with pytest.raises(ModelLoadError, match="gpt2.*supported model_type: deepseek_v2, deepseek_v3, llama"):
+    with pytest.raises(ModelLoadError, match="gpt2.*supported model_type: deepseek_v2, deepseek_v3, gemma2, gemma3_text, llama"):
         model_config_from_hf({**SMALL, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
 
 

@@ -8,7 +8,7 @@ from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scoring import position_logits
 from kvforge.models.loader import load_model
 
-KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "mistral", "qwen2", "qwen3"]
+KINDS = ["llama-mha", "llama-gqa", "llama-mqa", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -23,11 +23,10 @@ def test_logits_match_transformers(kind, chunk, tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
-    tree = engine.kv.prefix_tree
-    assert engine.kv.allocator.num_used == (tree.cached_blocks if tree is not None else 0)
+    assert engine.kv.allocator.num_used == sum(tree.cached_blocks for tree in engine.kv.prefix_trees)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "mistral", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "mistral", "qwen3", "gemma3"])
 def test_greedy_generation_matches_transformers(kind, tmp_path):
     from kvforge import LLM, SamplingParams
 

@@ -14,7 +14,7 @@ How they fit the engine:
 - Prefix sharing: a compacted block no longer holds its token prefix, so an engine with an evicting
   policy neither matches nor inserts into the prefix tree (shared blocks are never rewritten).
 """
-from kvforge.kv.policies.base import FullPolicy, KVPolicy, PolicyState, SequenceView, build_policy
+from kvforge.kv.policies.base import FullPolicy, KVPolicy, PolicyState, SequenceView, build_policy, check_policy_groups
 from kvforge.kv.policies.evictor import Evictor
 from kvforge.kv.policies.h2o import H2OPolicy
 from kvforge.kv.policies.scissorhands import ScissorhandsPolicy
@@ -23,4 +23,5 @@ from kvforge.kv.policies.streaming import StreamingPolicy
 from kvforge.kv.policies.window import WindowPolicy
 
 __all__ = ["Evictor", "FullPolicy", "H2OPolicy", "KVPolicy", "PolicyState", "ScissorhandsPolicy", "SequenceView", "SnapKVPolicy",
-           "StreamingPolicy", "WindowPolicy", "build_policy"]
+           "StreamingPolicy", "WindowPolicy", "build_policy",
+           "check_policy_groups"]

@@ -135,13 +135,11 @@ def top_with_recent(scores: torch.Tensor, budget: int, num_recent: int) -> torch
     return torch.sort(torch.cat([heavy, recent(length, num_recent)])).values
 
 
-def build_policy(name: str | None, options: dict | None = None, sliding_window: int | None = None) -> KVPolicy:
-    """The policy called `name` with its options; None = `window` for sliding-window models, else `full`."""
+def build_policy(name: str | None, options: dict | None = None) -> KVPolicy:
+    """The policy called `name` with its options; None = `full` (sliding-window layers bound themselves: their
+    KV group frees what falls behind the window)."""
     options = dict(options or {})
-    if name is None:
-        name = "window" if sliding_window else "full"
-        if sliding_window:
-            options.setdefault("budget", sliding_window)
+    name = name or "full"
     cls = KVPolicy.registry.get(name)
     if cls is None:
         raise ConfigError(f"unknown kv_policy {name!r}; allowed: {', '.join(sorted(KVPolicy.registry))}")
@@ -152,3 +150,16 @@ def build_policy(name: str | None, options: dict | None = None, sliding_window: 
     if name != "full" and policy.budget is None:
         raise ConfigError(f"kv_policy {name!r} needs a budget (kv_policy_options={{'budget': N}} or a fraction)")
     return policy
+
+
+def check_policy_groups(policy: KVPolicy, groups) -> None:
+    """Evicting policies act on full-attention KV groups only; refuse them where there are none, and refuse
+    `streaming` (RoPE by cache index) beside sliding groups, which keep keys at their logical positions."""
+    if not policy.evicts:
+        return
+    if all(g.sliding for g in groups):
+        raise ConfigError(f"kv_policy {policy.name!r}: every layer of this model has a sliding window, which already "
+                          "bounds its cache; use kv_policy='full' (the default)")
+    if policy.rope_by_cache_index and any(g.sliding for g in groups):
+        raise ConfigError(f"kv_policy {policy.name!r} positions keys by cache index, which sliding-window layers do not; "
+                          "allowed on this model: full, window, h2o, scissorhands, snapkv")

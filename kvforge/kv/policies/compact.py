@@ -30,19 +30,21 @@ def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
     moved = (keep != torch.arange(m)).nonzero()
     if len(moved):
         first = int(moved[0])
-        device = kv.pool.layers[0].tensors()[0].device
-        table = torch.tensor(kv.block_table(seq)[: blocks_for_tokens(length, bs)], dtype=torch.long, device=device)
+        device = kv.pool.slots[0].tensors()[0].device
         g0 = int(keep[first]) // bs
         src = (keep[first:] - g0 * bs).to(device)
         dst_pos = torch.arange(first, m)
-        dst = (table[(dst_pos // bs).to(device)] * bs + (dst_pos % bs).to(device))
         shift = dst_pos - keep[first:]
-        for layer in kv.pool.layers:
-            k, v = layer.gather(table[g0:])
-            k, v = k[src], (v[src] if v is not None else None)
-            if rotary is not None:
-                k = rerotate(k, shift, rotary)
-            layer.write(dst, k, v)
+        for group in kv.full_groups:  # sliding-window groups bound themselves
+            table = torch.tensor(kv.block_table(seq, group)[: blocks_for_tokens(length, bs)], dtype=torch.long,
+                                 device=device)
+            dst = (table[(dst_pos // bs).to(device)] * bs + (dst_pos % bs).to(device))
+            for layer in kv.pool.slots:
+                k, v = layer.gather(table[g0:])
+                k, v = k[src], (v[src] if v is not None else None)
+                if rotary is not None:
+                    k = rerotate(k, shift, rotary)
+                layer.write(dst, k, v)
     kv.truncate(seq, m)
     kv.record_evicted(seq, length - m)
     return length - m

