@@ -94,6 +94,18 @@ def register(sub) -> None:
     _output_options(ti, model=True)
     ti.set_defaults(func=run_tiers)
 
+    ll = bsub.add_parser("llama-cpp", help="kvforge vs llama.cpp (F32 GGUF of the same weights) on batched-bench shapes")
+    ll.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
+    ll.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
+    ll.add_argument("--npl", type=int, nargs="+", default=[1, 8, 32], help="batch sizes: sequences run together")
+    ll.add_argument("--threads", type=int, default=None, help="threads of both engines (default: torch's thread count)")
+    ll.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    ll.add_argument("--kvforge-only", action="store_true", help="measure kvforge only (no llama-cpp-python needed)")
+    ll.add_argument("--llama-gguf", default=None,
+                    help="GGUF for llama.cpp as is, e.g. a Q8_0 file (default: an F32 copy of --model, cached)")
+    _output_options(ll, model=True)
+    ll.set_defaults(func=run_llama_cpp)
+
     from kvforge.bench.serve import register_serve
     register_serve(bsub)
 
@@ -238,6 +250,25 @@ def run_spec(args) -> int:
                         f'{row["acceptance_rate"]:.2f}, mean length {row["mean_acceptance_length"]:.2f}, '
                         f'same output {row["same_output"]}')
                 rows.append((f"{name}.{workload}.{key}", text))
+    _emit(r, args.json, rows)
+    return 0
+
+
+def run_llama_cpp(args) -> int:
+    from kvforge.bench.llama_cpp import INSTALL_HINT, llama_cpp_available, llama_cpp_bench
+    from kvforge.errors import ConfigError
+    from kvforge.models.loader import load_model
+
+    if not args.kvforge_only and not llama_cpp_available():
+        raise ConfigError(INSTALL_HINT)
+    r = llama_cpp_bench(load_model(args.model), args.npp, args.ntg, tuple(args.npl), args.threads, args.seed,
+                        args.kvforge_only, args.llama_gguf)
+    rows = [("threads", r["threads"])]
+    for side in ("kvforge", "llama_cpp"):
+        if side in r:
+            rows += [(f"{side} prefill tok/s", r[side]["prefill_tok_s"])]
+            rows += [(f"{side} decode tok/s, {pl} seqs", r[side][f"b{pl}"]["decode_tok_s"]) for pl in r["npl"]]
+    rows += [(f"ratio.{k}", v) for k, v in r.get("ratio", {}).items()]
     _emit(r, args.json, rows)
     return 0
 
