@@ -27,3 +27,7 @@ class ModelLoadError(KVForgeError):
 
 class OutOfKVMemoryError(KVForgeError):
     """The KV budget cannot hold even one request of the given size."""
+
+
+class TokenizerMismatchError(ConfigError):
+    """A draft model's tokenizer differs from the target's, so its token ids would mean other text."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvforge.errors import ConfigError, KVForgeError, ModelLoadError
 from kvforge.kv.formats import KVFormat, get_format
+from kvforge.kv.groups import KVGroup, build_groups
 from kvforge.kv.memory import (
     bytes_for_sequence,
     bytes_per_block,
@@ -186,6 +187,11 @@ class MemoryReport:
     block_overhead_bytes: float  # whole batch: bytes reserved in each sequence's last, partly filled block
     mha_per_token_bytes: float
     mha_ratio: float
+    full_attention_layers: int = 0  # layers that keep every token
+    window_layers: int = 0  # layers that keep a sliding window only (their own KV groups)
+    window: int | None = None
+    full_attention_per_token_bytes: float = 0.0  # what each further token adds once windows are full
+    window_cap_bytes: int = 0  # the most the window layers hold per sequence, at any length
     fits: Fits | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -194,11 +200,23 @@ class MemoryReport:
 
 
 def what_fits(spec: KVCacheSpec, fmt: KVFormat, block_size: int, memory: int, weights: int, seq_len: int,
-              batch: int) -> Fits:
+              batch: int, groups: list[KVGroup] | None = None) -> Fits:
     budget = max(memory - weights, 0)
-    blocks = num_blocks_for_budget(spec, fmt, block_size, budget, batch)  # after side buffers for `batch` sequences
-    return Fits(memory, weights, budget, blocks, sequences_that_fit(spec, fmt, block_size, budget, seq_len),
-                blocks // batch * block_size)
+    blocks = num_blocks_for_budget(spec, fmt, block_size, budget, batch, groups)  # after side buffers for `batch`
+    max_len = _longest_sequence(blocks // batch, block_size, groups)
+    return Fits(memory, weights, budget, blocks, sequences_that_fit(spec, fmt, block_size, budget, seq_len, groups),
+                max_len)
+
+
+def _longest_sequence(blocks: int, block_size: int, groups: list[KVGroup] | None) -> int:
+    """The most tokens one sequence holds in `blocks` blocks (window groups stop growing at their window)."""
+    if not groups:
+        return blocks * block_size
+    full = [g for g in groups if not g.sliding]
+    capped = sum(_most_blocks(g, block_size) for g in groups if g.sliding)
+    if not full:
+        return 10**12 if blocks >= capped else 0
+    return max(0, (blocks - capped) // len(full)) * block_size
 
 
 def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch: int = 1, kv_dtype: str = "fp16",
@@ -212,23 +230,41 @@ def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch:
             raise ConfigError(f"{name} must be >= 1, got {value}")
     spec, fmt = cfg.kv_cache_spec(), get_format(kv_dtype)
     fmt.validate(spec, block_size)
+    groups = build_groups(cfg.layer_windows())
     per_token = bytes_per_token(spec, fmt, block_size)
-    side = side_bytes(spec, fmt, block_size, 1)
-    per_seq = bytes_for_sequence(spec, fmt, seq_len, block_size) + side
+    side = side_bytes(spec, fmt, block_size, 1, groups)
+    per_seq = bytes_for_sequence(spec, fmt, seq_len, block_size, groups) + side
     mha = _mha_per_token_bytes(cfg, fmt, block_size)
+    windowed = [w for w in cfg.layer_windows() if w is not None]
+    block_bytes = bytes_per_block(spec, fmt, block_size, groups)
+    unbounded = [g for g in groups if not g.sliding]
     report = MemoryReport(
         m.name, cfg.arch, cfg.attention_kind, kv_dtype, block_size, seq_len, batch, cfg.max_position_embeddings,
-        parameter_count(cfg), spec.elements_per_token, per_token, bytes_per_block(spec, fmt, block_size), side, per_seq,
-        per_seq * batch, _whole((per_seq - side - seq_len * per_token) * batch), mha, per_token / mha,
+        parameter_count(cfg), spec.elements_per_token, per_token, block_bytes, side, per_seq, per_seq * batch,
+        _whole(_tail_bytes(spec, fmt, block_size, seq_len, groups) * batch), mha, per_token / mha,
+        spec.num_layers - len(windowed), len(windowed), windowed[0] if windowed else None,
+        len(unbounded) * block_bytes / block_size,
+        sum(_most_blocks(g, block_size) for g in groups if g.sliding) * block_bytes,
     )
     if memory is not None:
         source = "given (--weights)"
         if weights is None:
             weights, source = default_weights(m, weights_dtype)
-        report.fits = what_fits(spec, fmt, block_size, memory, weights, seq_len, batch)
+        report.fits = what_fits(spec, fmt, block_size, memory, weights, seq_len, batch, groups)
         report.fits.weights_source = source
     report.notes = _notes(report, cfg)
     return report
+
+
+def _most_blocks(group: KVGroup, block_size: int) -> int:
+    """The most blocks a sliding group holds for one sequence, at any length (the window straddles a block edge)."""
+    return max(group.blocks_held(2 * group.window + block_size + r, block_size) for r in range(block_size))
+
+
+def _tail_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, seq_len: int, groups: list[KVGroup]) -> float:
+    """Bytes reserved but not yet written in one sequence's last, partly filled block of each group."""
+    empty = -seq_len % block_size
+    return len(groups) * empty * bytes_per_block(spec, fmt, block_size, groups) / block_size
 
 
 def _whole(x: float) -> float:
@@ -239,8 +275,9 @@ def _notes(r: MemoryReport, cfg: ModelConfig) -> list[str]:
     notes = []
     if r.seq_len > r.max_context:
         notes.append(f"seq_len {r.seq_len} exceeds the model's context of {r.max_context} tokens")
-    if cfg.sliding_window and r.seq_len > cfg.sliding_window:
-        notes.append(f"sliding_window {cfg.sliding_window}: figures assume every token stays cached")
+    if r.window_layers:
+        notes.append(f"{r.window_layers} of {r.window_layers + r.full_attention_layers} layers keep a {r.window}-token "
+                     f"sliding window: they hold at most {r.window_cap_bytes:,} B per sequence")
     if r.fits and r.fits.max_seq_len > r.max_context:
         notes.append(f"max_seq_len {r.fits.max_seq_len} is more than the model's context of {r.max_context} tokens")
     if r.fits and r.fits.weights_bytes >= r.fits.memory_bytes:

@@ -334,3 +334,34 @@ def test_any_config_missing_a_needed_field_is_named(tmp_path):
 def test_memory_model_positional_and_option_must_agree(capsys):
     assert main(["memory", "llama-2-7b", "--model", "llama-3-8b"]) == 2
     assert "two models given" in capsys.readouterr().err
+
+
+GEMMA3_270M = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144,
+               "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+               "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512, "max_position_embeddings": 32768,
+               "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256}
+GPT_OSS_20B = {"model_type": "gpt_oss", "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+               "head_dim": 64, "hidden_size": 2880, "sliding_window": 128, "num_local_experts": 32,
+               "intermediate_size": 2880, "vocab_size": 201088, "max_position_embeddings": 131072,
+               "layer_types": ["sliding_attention", "full_attention"] * 12}
+
+
+@pytest.mark.parametrize("seq_len,full_rows,window_rows", [(4096, 4096, 512), (4001, 4016, 528), (300, 304, 304)])
+def test_gemma3_hybrid_per_sequence_bytes_by_hand(tmp_path, seq_len, full_rows, window_rows):
+    """3 full-attention layers keep every token, 15 keep the blocks that hold the last 512 (1 KV head x 256 x 2 x fp16
+    = 1,024 B per layer per row); rows are whole 16-token blocks."""
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_270M))
+    r = memory_report(str(tmp_path), seq_len=seq_len)
+    assert (r.full_attention_layers, r.window_layers, r.window) == (3, 15, 512)
+    assert r.per_sequence_bytes == (3 * full_rows + 15 * window_rows) * 1024
+    assert r.full_attention_per_token_bytes == 3 * 1024 and r.window_cap_bytes == 15 * 528 * 1024
+    assert r.per_token_bytes == 18 * 1024  # every layer, per token it holds
+
+
+def test_gpt_oss_alternating_windows_by_hand(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
+    r = memory_report(str(tmp_path), seq_len=8192, memory=80 * GiB, weights=0)
+    per_row = 2 * 8 * 64 * 2
+    assert r.per_sequence_bytes == (12 * 8192 + 12 * 128) * per_row
+    assert r.fits.max_batch == 80 * GiB // r.per_sequence_bytes
+    assert any("12 of 24 layers keep a 128-token sliding window" in n for n in r.notes)

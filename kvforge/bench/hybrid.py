@@ -1,22 +1,22 @@
 """Hybrid attention memory: KV groups (sliding layers hold their window) vs every layer keeping its history.
 
 One KV budget (room for `budget_seqs` sequences of `seq_len` tokens with every layer full), `num_requests`
-sequences of `seq_len` tokens each: how many fit at once (the formula and the engine's measured peak)
-and the time to complete them all, for both engines.
+sequences of `seq_len` tokens each (prefill in chunks of `chunk`): how many fit at once (the formula and
+the engine's measured peak) and the time to complete them all, for both engines.
 """
 from __future__ import annotations
 
 from kvforge.bench.memory import run_layout
-from kvforge.bench.workload import random_tokens
-from kvforge.bench.workload import Request
+from kvforge.bench.workload import Request, random_tokens
 from kvforge.errors import ConfigError
 from kvforge.kv.formats import get_format
 from kvforge.kv.groups import build_groups
 from kvforge.kv.memory import budget_for, sequences_that_fit
 
 
-def hybrid_bench(loaded, seq_len: int = 4096, num_requests: int = 16, budget_seqs: int = 2, output_len: int = 16,
-                 block_size: int = 16, kv_dtype: str = "fp32", seed: int = 0, show_progress: bool = True) -> dict:
+def hybrid_bench(loaded, seq_len: int = 4096, num_requests: int = 8, budget_seqs: int = 2, output_len: int = 128,
+                 block_size: int = 16, kv_dtype: str = "fp32", chunk: int = 256, seed: int = 0,
+                 show_progress: bool = True) -> dict:
     import random
 
     windows = loaded.config.layer_windows()
@@ -32,7 +32,9 @@ def hybrid_bench(loaded, seq_len: int = 4096, num_requests: int = 16, budget_seq
     runs = {}
     for name, groups in (("groups", True), ("full_layers", False)):
         runs[name] = run_layout(loaded, "paged", workload, budget, seq_len, num_requests, show_progress, name,
-                                kv_cache_groups=groups, block_size=block_size, kv_cache_dtype=kv_dtype)
+                                kv_cache_groups=groups, block_size=block_size, kv_cache_dtype=kv_dtype,
+                                max_num_batched_tokens=chunk)
+        runs[name].pop("utilization")  # live tokens per block row: not comparable across block shapes
         runs[name]["sequences_that_fit"] = sequences_that_fit(spec, fmt, block_size, budget, seq_len,
                                                               grouped if groups else full)
     g, f = runs["groups"], runs["full_layers"]

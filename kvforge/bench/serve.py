@@ -27,6 +27,8 @@ class Result:
     prompt_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    replica: str = ""  # the x-kvforge-replica header (kvforge serve --ray)
+    cached_tokens: int = 0
 
 
 def register_serve(bsub) -> None:
@@ -43,10 +45,17 @@ def register_serve(bsub) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    from kvforge.bench.serve_ray import add_ray_options
+
+    add_ray_options(p)
     p.set_defaults(func=run_serve_bench)
 
 
 def run_serve_bench(args) -> int:
+    if args.ray:
+        from kvforge.bench.serve_ray import run_ray_bench
+
+        return run_ray_bench(args)
     result = asyncio.run(serve_bench(args.url, args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
                                      args.request_rate, args.max_concurrency, args.model, args.api_key, args.seed,
                                      not args.no_progress))
@@ -81,10 +90,10 @@ async def serve_bench(url: str, num_requests: int, prompt_len: tuple[int, int], 
         async def one(req: Request, delay: float) -> Result:
             await asyncio.sleep(delay)
             if gate is None:
-                r = await _stream_one(client, model, req)
+                r = await stream_one(client, _body(model, req), len(req.prompt_ids))
             else:
                 async with gate:
-                    r = await _stream_one(client, model, req)
+                    r = await stream_one(client, _body(model, req), len(req.prompt_ids))
             bar.update()
             return r
 
@@ -102,13 +111,18 @@ async def serve_bench(url: str, num_requests: int, prompt_len: tuple[int, int], 
                                          "max_concurrency": max_concurrency, "seed": seed})
 
 
-async def _stream_one(client, model: str, req: Request) -> Result:
-    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
+def _body(model: str, req: Request) -> dict:
+    return {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    r = Result(prompt_tokens=len(req.prompt_ids))
+
+
+async def stream_one(client, body: dict, prompt_tokens: int = 0) -> Result:
+    """POST a streaming completion and time it; errors are recorded in the Result, not raised."""
+    r = Result(prompt_tokens=prompt_tokens)
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
+            r.replica = resp.headers.get("x-kvforge-replica", "")
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                 return r
@@ -122,6 +136,7 @@ async def _stream_one(client, model: str, req: Request) -> Result:
                 if chunk.get("usage"):
                     r.output_tokens = chunk["usage"]["completion_tokens"]
                     r.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    r.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     now = time.perf_counter()
                     if r.ttft == 0.0:

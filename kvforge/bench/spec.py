@@ -5,6 +5,10 @@ the input, where prompt lookup shines); chat prompts are open-ended. Greedy, so 
 same tokens. Each group of prompts runs with speculation off and with each method back to back, in
 alternating order (machine load drifts). `speedup` is the ratio of decode-phase output tok/s (steps where every request of a group
 already has its first token; prefill is identical work), `e2e_speedup` that of whole wall times.
+
+Methods: `ngram`; `layer_skip` (the first fifth and the last two fifths of the layers, 0-5 and 18-29 on SmolLM2:
+the best of the subsets tried on the untrained model, see docs/results.md); `draft` with `draft_model` (without one, the target drafts for itself:
+a correctness check that must accept every draft, never a speedup).
 """
 from __future__ import annotations
 
@@ -28,10 +32,18 @@ CHAT = ("Write a short story about a lighthouse keeper who finds a message in a 
         "Why do cats purr? Answer in a friendly tone.",
         "Plan a one-day tour of an old European city.",
         "What makes a good team leader? Give examples.")
-METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 5}}
+METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 5},
+           "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
+           "draft": {"method": "draft", "num_speculative_tokens": 3}}
+DEFAULT_METHODS = ("ngram", "layer_skip")
 
 
 GROUNDED_TEXTS = ("hamlet", "macbeth", "gpl-3")
+
+
+def skip_layers(num_layers: int) -> list[int]:
+    """The layer_skip arm's drafter: the first fifth and the last two fifths of the layers."""
+    return [*range(round(num_layers / 5)), *range(num_layers - max(1, round(num_layers * 2 / 5)), num_layers)]
 
 
 def grounded_prompts(tokenizer, count: int, passage_tokens: int, texts=GROUNDED_TEXTS) -> list[list[int]]:
@@ -124,15 +136,21 @@ def _compare(loaded, methods: dict, prompts: list[list[int]], batch: int, max_to
 def spec_bench(loaded, methods: list[str] | None = None, batches: tuple[int, ...] = (1, 8), prompts_b1: int = 3,
                max_tokens: int = 96, passage_tokens: int = 400, show: bool = True,
                workloads: dict[str, Callable[[int], list[list[int]]]] | None = None, texts=GROUNDED_TEXTS,
-               spec_options: dict | None = None) -> dict:
+               spec_options: dict | None = None, draft_model: str | None = None) -> dict:
     """workloads: name -> prompts for a count (default: 'grounded' from `texts` and 'chat', on the model's
-    tokenizer); spec_options override every method's options (e.g. num_speculative_tokens)."""
+    tokenizer); spec_options override every method's options (e.g. num_speculative_tokens); draft_model: the
+    `draft` method's model (default methods then include it; without one `draft` drafts with the target itself)."""
     tok = loaded.tokenizer
     workloads = workloads or {"grounded": lambda n: grounded_prompts(tok, n, passage_tokens, texts),
                               "chat": lambda n: chat_prompts(tok, n)}
-    methods = {name: {**METHODS[name], **(spec_options or {})} for name in methods or list(METHODS)}
+    names = methods or [*DEFAULT_METHODS, *(["draft"] if draft_model else [])]
+    methods = {name: {**METHODS[name], **(spec_options or {})} for name in names}
+    if "layer_skip" in methods and not {"layers", "num_layers"} & set(spec_options or {}):
+        methods["layer_skip"]["layers"] = skip_layers(loaded.config.num_layers)
+    if "draft" in methods:
+        methods["draft"]["model"] = draft_model or loaded.path
     result: dict = {"max_tokens": max_tokens, "passage_tokens": passage_tokens, "texts": list(texts),
-                    "methods": methods, "off": {}}
+                    "methods": methods, "off": {}, "self_draft": "draft" in methods and not draft_model}
     for name in methods:
         result[name] = {}
     for workload, make_prompts in workloads.items():

@@ -31,6 +31,16 @@ def register(sub) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     add_engine_options(p)
+    g = p.add_argument_group("Ray Serve (pip install 'kvforge[ray]')")
+    g.add_argument("--ray", action="store_true", help="serve with many engine replicas on Ray Serve")
+    scale = g.add_mutually_exclusive_group()
+    scale.add_argument("--num-replicas", type=int, default=None, help="engine replicas (default: 2)")
+    scale.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                       help="let Ray Serve scale between MIN and MAX replicas (default: off, a fixed --num-replicas)")
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "pow2"],
+                   help="replica choice: prefix-cache affinity, or Ray's power of two choices (default: prefix)")
+    g.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     p.set_defaults(func=run)
 
 
@@ -65,9 +75,8 @@ def startup_lines(engine, model_name: str, url: str) -> list[str]:
 def run(args) -> int:
     from kvforge.config import EngineConfig
     from kvforge.engine.engine import LLMEngine
-    from kvforge.server import ServerConfig, build_app
+    from kvforge.server import build_app
     from kvforge.server.app import _model_name as model_name
-    from kvforge.server.limits import RequestLimits
 
     if args.max_waiting < 0:
         raise ConfigError(f"--max-waiting must be >= 0 (0 = unlimited), got {args.max_waiting}")
@@ -79,20 +88,40 @@ def run(args) -> int:
     if args.model_path and args.model and args.model_path != args.model:
         raise ConfigError(f"two models given: {args.model_path!r} and --model {args.model!r}; give one")
     args.model = args.model_path or args.model
+    if args.ray:
+        return run_on_ray(args)
     sock = bind(args.host, args.port)
     try:
         engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
-        limits = RequestLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit)
-        config = ServerConfig(api_keys=list(args.api_key),
-                              share_prefix_cache_across_keys=args.share_prefix_cache_across_keys,
-                              max_waiting=args.max_waiting or None, served_model_name=args.served_model_name,
-                              limits=limits)
+        config = server_config(args)
         name = args.served_model_name or model_name(engine)
         for line in startup_lines(engine, name, f"http://{args.host}:{args.port}"):
             print(f"kvforge: {line}", file=sys.stderr, flush=True)
         return serve_app(build_app(engine, config), sockets=[sock], log_level=args.log_level)
     finally:
         sock.close()
+
+
+def server_config(args):
+    from kvforge.server import ServerConfig
+    from kvforge.server.limits import RequestLimits
+
+    limits = RequestLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit)
+    return ServerConfig(api_keys=list(args.api_key), share_prefix_cache_across_keys=args.share_prefix_cache_across_keys,
+                        max_waiting=args.max_waiting or None, served_model_name=args.served_model_name, limits=limits)
+
+
+def run_on_ray(args) -> int:
+    """The same server, one engine per Ray Serve replica, with every engine option passed to each replica."""
+    from kvforge.serve_ray import require_ray
+
+    require_ray()
+    from kvforge.serve_ray.launcher import RayDeployment, parse_autoscale, serve_forever
+
+    d = RayDeployment(engine_kwargs(args), server_config(args), num_replicas=args.num_replicas or 2,
+                      autoscale=parse_autoscale(args.autoscale) if args.autoscale else None, routing=args.routing,
+                      cpus_per_replica=args.cpus_per_replica)
+    return serve_forever(d, args.host, args.port, args.ray_address)
 
 
 def serve_app(app, sockets=None, **uvicorn_options) -> int:

@@ -15,6 +15,8 @@ from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.spec import SpeculativeConfig, SpeculativeDecoder
+from kvforge.engine.spec.build import build_drafter, load_draft_model
+from kvforge.engine.spec.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
@@ -23,7 +25,9 @@ from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
+from kvforge.kv.tiers.setup import attach_tiers
 from kvforge.models.loader import LoadedModel, load_model
+from kvforge.models.packed_linear import pack_linears
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -40,6 +44,7 @@ class LLMEngine:
         self._request_seeds = random.Random(config.seed)  # seed=None: fresh OS entropy every run
         self.loaded = loaded or load_model(config.model, self.device)
         self.model_config = cfg = self.loaded.config
+        pack_linears(self.loaded.model)  # CPU fp32: oneDNN with packed weights (a no-op elsewhere)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.spec = cfg.kv_cache_spec()
@@ -50,6 +55,9 @@ class LLMEngine:
         self.policy = build_policy(config.kv_policy, config.kv_policy_options)
         check_policy_groups(self.policy, self.groups)
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
+        self.spec_config = SpeculativeConfig.parse(config.speculative)
+        self.draft = load_draft_model(self.spec_config, self.loaded, self.device, self.max_model_len, self.policy,
+                                      self.format, config.block_size)  # None unless method 'draft'
         num_blocks = self._num_blocks()
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
@@ -57,26 +65,48 @@ class LLMEngine:
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
                                  self.max_model_len, prefix, config.max_num_seqs, self.groups)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        if config.kv_tiers and len(self.groups) > 1:
+            raise ConfigError(f"kv_tiers support models with one KV group; this model has {len(self.groups)} "
+                              "(full and sliding-window layers); leave kv_tiers unset")
+        self.tiers = attach_tiers(self.kv, config.kv_tiers, self.loaded.model, self.format, self.spec) \
+            if config.kv_tiers else None
+        self.preemption_mode = self._preemption_mode()
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+                                   self.preemption_mode)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, self.layer_windows, decode)
         if self.policy.evicts:
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
-        if config.speculative:
-            self.runner.speculator = SpeculativeDecoder(SpeculativeConfig.parse(config.speculative), self.length_limit,
-                                                        self.runner.evictor)
+        if self.spec_config:
+            drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
+            self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
+
+    def _preemption_mode(self) -> str:
+        """swap needs a tier to swap to; by default it is chosen when a KV policy evicts (recompute cannot rebuild a
+        compacted cache) and a host tier exists."""
+        mode, tiers = self.config.preemption_mode, self.config.kv_tiers or []
+        if mode == "swap" and not tiers:
+            raise ConfigError("preemption_mode='swap' needs a KV tier to swap to, e.g. kv_tiers=['host:4GiB']")
+        if mode is None:
+            mode = "swap" if self.policy.evicts and any(t.startswith("host:") for t in tiers) else "recompute"
+        return mode
 
     def _num_blocks(self) -> int:
         c = self.config
         budget = c.kv_cache_memory
         if budget is None:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
-        num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
+        draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
+        if draft_spec is None:
+            num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
+        else:  # each block also holds the draft model's K/V of the same tokens
+            num_blocks = shared_num_blocks(self.spec, self.groups, draft_spec, self.format, c.block_size, budget,
+                                           c.max_num_seqs)
         need = self._blocks_one_sequence(self.max_model_len)
         if num_blocks < need and c.max_model_len is None and num_blocks > 0:
             lengths = range(c.block_size, self.max_model_len + 1, c.block_size)
@@ -85,6 +115,7 @@ class LLMEngine:
                 self.max_model_len, need = fits, self._blocks_one_sequence(fits)
         if num_blocks < need or num_blocks == 0:
             per_block = bytes_per_block(self.spec, self.format, c.block_size, self.groups)
+            per_block += bytes_per_block(draft_spec, self.format, c.block_size) if draft_spec else 0
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
                 f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
@@ -160,6 +191,11 @@ class LLMEngine:
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
         return True
+
+    def close(self) -> None:
+        """Finish queued tier stores and close tier connections (the engine serves nothing after this)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -252,6 +288,7 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.request_id in rejected:
                 self.kv.rollback(seq)
+                self.runner.speculator.rollback(seq, self.kv)
         bs = self.kv.block_size
         for seq, prev in zip(batch.seqs, before):
             if seq.num_computed_tokens // bs > prev // bs:
@@ -276,7 +313,10 @@ class LLMEngine:
         s.update({
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "loading": len(self.scheduler.loading),
             "preemptions": self.scheduler.num_preemptions,
+            "preemption_mode": self.preemption_mode,
+            "preempted_tokens_recomputed": self.scheduler.recomputed_tokens,
             "generated_tokens": self.generated_tokens,
             "kv_cache_dtype": self.format.name,
             "kv_layout": self.config.kv_layout,

@@ -71,6 +71,8 @@ class ModelRunner:
         [T, hidden], the rows of sequences that reached their last token, and the attention a KV policy asked for."""
         input_ids, meta, sample_rows = self.build_metadata(batch)
         hidden = self.model(input_ids, meta, self.kv.pool)
+        if self.speculator:
+            self.speculator.observe(input_ids, meta)
         self.forward_tokens += input_ids.shape[0]
         self.attended_keys += sum(n * c - n * (n - 1) // 2 for n, c in zip(meta.query_lens, meta.context_lens))
         return hidden, sample_rows, meta.stats
@@ -78,6 +80,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one step: the sampled token (and top logprobs, when asked) of each sequence that reaches its last token."""
+        if self.speculator:
+            self.speculator.draft(batch, self)
         hidden, sample_rows, stats = self.forward(batch)
         result = StepResult(stats=stats)
         sampled_seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens)

@@ -16,12 +16,15 @@ from kvforge.kv.memory import blocks_for_tokens, bytes_per_block
 from kvforge.kv.pool import KVPool
 from kvforge.kv.prefix import PrefixTree
 from kvforge.kv.request_kv import RequestKV
+from kvforge.kv.sliding_prefix import SlidingPrefixTree
 from kvforge.kv.spec import KVCacheSpec
+from kvforge.kv.tiers.hooks import TierHooks
+from kvforge.kv.tiers.swap import SwapHooks
 
 _EMPTY = RequestKV()
 
 
-class KVCacheManager:
+class KVCacheManager(TierHooks, SwapHooks):
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
                  max_num_seqs: int = 1, groups: list[KVGroup] | None = None):
@@ -34,7 +37,8 @@ class KVCacheManager:
         self.block_bytes = bytes_per_block(spec, fmt, block_size, self.groups)
         caching = enable_prefix_caching and layout == "paged"
         # one tree per group: the same token keys, each group's own blocks
-        self.prefix_trees = [PrefixTree(self.allocator, block_size) for _ in self.groups] if caching else []
+        self.prefix_trees = [SlidingPrefixTree(self.allocator, block_size, g) if g.sliding
+                             else PrefixTree(self.allocator, block_size) for g in self.groups] if caching else []
         self.prefix_tree = self.prefix_trees[0] if caching else None
         self.requests: dict[str, RequestKV] = {}
         self.prefix_queried_tokens = 0
@@ -88,8 +92,11 @@ class KVCacheManager:
         """Adopt the longest cached prefix of a waiting request (whole blocks, at least one token left to
         compute); returns the tokens it now has computed. A request still holding an earlier match (it was
         held back) re-matches when the tree has grown since."""
+        if self.is_swapped(req):
+            return self._swap_in(req)
         if self.prefix_tree is None:
-            return req.num_computed_tokens
+            held = self.requests.get(req.request_id)  # a swapped-in request holds its restored tokens
+            return held.num_matched if held is not None else req.num_computed_tokens
         usable = (req.num_tokens - 1) // self.block_size * self.block_size
         tokens = req.token_ids[:usable]
         held = self.requests.get(req.request_id)
@@ -98,23 +105,30 @@ class KVCacheManager:
                 return held.num_matched
             self.free(req, cache=False)
         num = self._peek(tokens, req.cache_salt)
-        if not num:
-            return 0
-        state = self._state(req)
-        for g, (group, tree) in enumerate(zip(self.groups, self.prefix_trees)):
-            match = tree.match_prefix(tokens[:num], salt=req.cache_salt)
-            tree.lock(match.node)
-            skip = group.first_needed_block(num, self.block_size)  # a sliding group adopts only its window
-            self.allocator.incref(match.block_ids[skip:])
-            state.block_tables[g].extend([NULL_BLOCK] * skip + match.block_ids[skip:])
-            state.prefix_nodes.append(match.node)
-        state.num_matched = num
+        if num:
+            state = self._state(req)
+            for g, (group, tree) in enumerate(zip(self.groups, self.prefix_trees)):
+                match = tree.match_prefix(tokens[:num], salt=req.cache_salt)
+                tree.lock(match.node)
+                skip = group.first_needed_block(num, self.block_size)  # a sliding group adopts only its window
+                self.allocator.incref(match.block_ids[skip:])
+                state.block_tables[g].extend([NULL_BLOCK] * skip + match.block_ids[skip:])
+                state.prefix_nodes.append(match.node)
+            state.num_matched = num
+        if self.tiers is not None:
+            self._load_from_tiers(req, usable, num)
         return num
 
     def _peek(self, tokens, salt) -> int:
-        """Tokens every group's tree has cached (a hit needs all full-attention blocks and each sliding
-        group's blocks up to the hit point; their trees hold whole paths, so the shortest path decides)."""
-        return min(tree.peek_prefix(tokens, salt) for tree in self.prefix_trees)
+        """Tokens cached in every group: all full-attention blocks, and each sliding group's blocks of the
+        last window before the hit point."""
+        num = min(tree.peek_prefix(tokens, salt) for tree in self.prefix_trees)
+        while True:
+            usable = min([num] + [t.usable_prefix(tokens[:num], salt) for t in self.prefix_trees
+                                  if isinstance(t, SlidingPrefixTree)])
+            if usable == num:
+                return num
+            num = usable
 
     def record_admission(self, req) -> None:
         """Count the prefix-cache lookup of a request that was admitted (hits are its computed tokens)."""
@@ -173,8 +187,8 @@ class KVCacheManager:
                 j -= 1
 
     def _reclaim(self, num_blocks: int) -> int:
-        freed = 0
-        for tree in self.prefix_trees:
+        freed = 0  # sliding trees first: what they drop lies behind some window
+        for tree in sorted(self.prefix_trees, key=lambda t: not isinstance(t, SlidingPrefixTree)):
             if freed >= num_blocks:
                 break
             freed += tree.reclaim(num_blocks - freed)
@@ -194,8 +208,6 @@ class KVCacheManager:
         if not state.prefix_nodes:
             state.prefix_nodes = [None] * len(self.groups)
         for g, (tree, table) in enumerate(zip(self.prefix_trees, state.block_tables)):
-            if table[0] == NULL_BLOCK and NULL_BLOCK in table[tree.peek_prefix(tokens, req.cache_salt) // self.block_size: full]:
-                continue  # blocks behind the window are gone and were never cached: nothing to offer
             _, node = tree.insert(tokens, table[:full], salt=req.cache_salt)
             tree.lock(node)
             if state.prefix_nodes[g] is not None:
@@ -229,11 +241,13 @@ class KVCacheManager:
 
     def free(self, req, cache: bool = True) -> None:
         """Release everything req holds; with `cache`, its computed full blocks stay in the prefix cache first."""
+        self._drop_swapped(req)
         state = self.requests.pop(req.request_id, None)
         if state is None:
             return
         if cache:
             self._cache_full_blocks(req, state)
+        self._cancel_load(state)
         for tree, node in zip(self.prefix_trees, state.prefix_nodes):
             if node is not None:
                 tree.unlock(node)
@@ -266,4 +280,6 @@ class KVCacheManager:
             "prefix_reclaimed_blocks": sum(t.reclaimed_blocks for t in trees),
             "prefix_cache_granularity_tokens": self.block_size,
             "prefix_short_prompts": self.prefix_short_prompts,
+            **self.tier_stats(),
+            **(self.swap_stats() if self.tiers is not None else {}),
         }

@@ -14,13 +14,19 @@ last reference is the tree's, so every dropped block really becomes free (see `r
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
 from kvforge.kv.blocks import BlockAllocator
+from kvforge.kv.groups import NULL_BLOCK
 
 _ids = count()
+
+
+def real_blocks(block_ids: Sequence[int]) -> list[int]:
+    """block_ids without the NULL_BLOCK holes a sliding-window group's tree may hold (kv/sliding_prefix.py)."""
+    return [b for b in block_ids if b != NULL_BLOCK]
 
 
 @dataclass(eq=False)
@@ -56,6 +62,7 @@ class PrefixTree:
         self._clock = 0
         self.cached_blocks = 0
         self.reclaimed_blocks = 0
+        self.on_reclaim: Callable[[RadixNode], None] | None = None  # sees a leaf's blocks before they are freed
 
     # ---- lookup -------------------------------------------------------------------------------
 
@@ -151,12 +158,12 @@ class PrefixTree:
             child = node.children.get(tuple(tokens[pos:pos + bs]))
             if child is None:
                 new = list(block_ids[pos // bs:nb])
-                self.allocator.incref(new)
+                self.allocator.incref(real_blocks(new))
                 leaf = RadixNode(tuple(tokens[pos:n]), new, node, self._clock)
                 node.children[leaf.tokens[:bs]] = leaf
                 self._leaves.discard(node)
                 self._leaves.add(leaf)
-                self.cached_blocks += len(new)
+                self.cached_blocks += len(real_blocks(new))
                 return pos, leaf
             k = self._common_blocks(child, tokens, pos)
             if k < len(child.block_ids):
@@ -201,19 +208,29 @@ class PrefixTree:
                 self._split(node, k)
             parent = node.parent
             assert parent is not None
+            if self.on_reclaim is not None:
+                self.on_reclaim(node)
             freed += self._remove_leaf(node)
             if k == 0 and parent in self._leaves and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self.reclaimed_blocks += freed
         return freed
 
+    def path(self, node: RadixNode) -> tuple[str | None, list[int]]:
+        """The salt of `node`'s subtree and every token from its salt root down to the end of `node`."""
+        parts, n = [], node
+        while n.parent is not None and n.parent is not self.root:
+            parts.append(n.tokens)
+            n = n.parent
+        return n.salt, [t for p in reversed(parts) for t in p]
+
     def _remove_leaf(self, node: RadixNode) -> int:
         parent = node.parent
         assert parent is not None and not node.children
-        self.allocator.decref(node.block_ids)
+        self.allocator.decref(real_blocks(node.block_ids))
         del parent.children[node.tokens[:self.block_size]]
         self._leaves.discard(node)
-        self.cached_blocks -= len(node.block_ids)
+        self.cached_blocks -= len(real_blocks(node.block_ids))
         if not parent.children:
             if parent.parent is self.root:
                 del self._salts[parent.salt]
@@ -260,7 +277,7 @@ class PrefixTree:
             assert node.parent.children.get(node.tokens[:bs]) is node, "child key != first block"
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) >= 0, "lock_ref"
             assert (node in self._leaves) == (not node.children), "leaf set out of date"
-            for b in node.block_ids:
+            for b in real_blocks(node.block_ids):
                 assert b not in seen, f"block {b} cached twice"
                 seen.add(b)
                 assert self.allocator.ref_counts[b] >= 1, f"cached block {b} has no reference"

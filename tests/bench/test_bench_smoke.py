@@ -95,10 +95,24 @@ def test_spec_bench_compares_the_same_outputs(tiny_loaded):
 
     workloads = {"grounded": lambda n: [[5, 6, 7, 8, 9] * 5 + [i] for i in range(n)],
                  "chat": lambda n: [list(range(20 + i, 44 + i)) for i in range(n)]}
-    r = spec_bench(tiny_loaded, batches=(1, 3), prompts_b1=2, max_tokens=12, show=False, workloads=workloads)
-    for workload in workloads:
-        for key, n in (("b1", 2), ("b3", 3)):
-            on, off = r["ngram"][workload][key], r["off"][workload][key]
-            assert on["same_output"] and on["output_tokens"] == off["output_tokens"] == 12 * n
-            assert on["speedup"] == on["decode_tok_s"] / off["decode_tok_s"]
-            assert 1.0 <= on["mean_acceptance_length"] <= 1 + 5 and 0.0 <= on["acceptance_rate"] <= 1.0
+    r = spec_bench(tiny_loaded, ["ngram", "layer_skip", "draft"], batches=(1, 3), prompts_b1=2, max_tokens=12,
+                   show=False, workloads=workloads)
+    assert r["methods"]["layer_skip"]["layers"] == [1] and r["self_draft"]
+    for method in ("ngram", "layer_skip", "draft"):
+        for workload in workloads:
+            for key, n in (("b1", 2), ("b3", 3)):
+                on, off = r[method][workload][key], r["off"][workload][key]
+                assert on["same_output"] and on["output_tokens"] == off["output_tokens"] == 12 * n
+                assert on["speedup"] == on["decode_tok_s"] / off["decode_tok_s"]
+                assert 1.0 <= on["mean_acceptance_length"] <= 1 + 5 and 0.0 <= on["acceptance_rate"] <= 1.0
+                if method == "draft":  # the target drafting for itself accepts everything
+                    assert on["acceptance_rate"] == 1.0
+
+
+def test_verify_cost_times_every_row_count(tiny_loaded):
+    from kvforge.bench.verify_cost import verify_cost
+
+    r = verify_cost(tiny_loaded, ks=(1, 3), rounds=3, prompt=list(range(5, 45)))
+    assert r["context_tokens"] == 40 and set(r["steps"]) == {"rows1", "rows2", "rows4"}
+    assert r["steps"]["rows1"]["vs_decode"] == 1.0
+    assert all(0 < row["lm_head_ms"] < row["ms"] for row in r["steps"].values())

@@ -1,10 +1,12 @@
 """No block leaks: random add / step / abort / preempt workloads (with and without speculative rollback)
 keep every block accounted."""
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
+from kvforge.kv.groups import NULL_BLOCK
 from kvforge.sampling_params import SamplingParams
 
 ops = st.lists(
@@ -27,25 +29,46 @@ def check_accounting(engine: LLMEngine) -> None:
     live = {seq.request_id for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting)}
     assert set(kv.requests) <= live, "KV state kept for a request that is gone"
     for state in kv.requests.values():
-        for b in (b for table in state.block_tables for b in table):
+        for b in (b for table in state.block_tables for b in table if b != NULL_BLOCK):
             expected[b] += 1
-    if kv.prefix_tree is not None:
-        for b in (b for node in kv.prefix_tree._postorder() for b in node.block_ids):
+    for tree in kv.prefix_trees:
+        for b in (b for node in tree._postorder() for b in node.block_ids if b != NULL_BLOCK):
             expected[b] += 1
     assert expected == alloc.ref_counts
+    seqs = {s.request_id: s for s in engine.scheduler.running}
+    for rid, state in kv.requests.items():
+        for group, table in zip(kv.groups, state.block_tables):
+            placeholders = table.count(NULL_BLOCK)
+            assert NULL_BLOCK not in table[placeholders:], "a placeholder after a live block"
+            if rid in seqs:  # blocks behind the window were freed at the step's start
+                assert placeholders <= group.first_needed_block(seqs[rid].num_computed_tokens, kv.block_size)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(program=ops, prefix_caching=st.booleans(), layout=st.sampled_from(["paged", "contiguous"]),
-       speculative=st.booleans())
-def test_random_workloads_never_leak(tiny_loaded, program, prefix_caching, layout, speculative):
-    # 24 blocks of 4 tokens: small enough that preemption happens often
-    cfg = EngineConfig(kv_cache_memory=24 * 4 * 2 * 2 * 2 * 16 * 4, block_size=4, max_model_len=64, max_num_seqs=6,
-                       max_num_batched_tokens=24, enable_prefix_caching=prefix_caching, kv_layout=layout,
-                       speculative={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-                       if speculative else None)
-    engine = LLMEngine(cfg, tiny_loaded)
-    assert engine.kv.num_blocks == 24
+@pytest.fixture(scope="module")
+def hybrid_loaded(tmp_path_factory):
+    """Two KV groups: full-attention layers 0, 2 and sliding-window (12 tokens) layers 1, 3."""
+    from tiny_models import write_tiny_model
+
+    from kvforge.models.loader import load_model
+
+    d = tmp_path_factory.mktemp("qwen2-hybrid")
+    write_tiny_model("qwen2-hybrid", d)
+    return load_model(str(d))
+
+
+def accounting_engine(loaded, num_blocks, prefix_caching, layout, speculative) -> LLMEngine:
+    # blocks of 4 tokens, each 2 layer slots (llama-gqa: 2 layers; hybrid: groups of 2): preemption happens often
+    cfg = EngineConfig(kv_cache_memory=num_blocks * 4 * 2 * 2 * 2 * 16 * 4, block_size=4, max_model_len=64,
+                       max_num_seqs=6, max_num_batched_tokens=24, enable_prefix_caching=prefix_caching,
+                       kv_layout=layout, speculative={"method": "ngram", "num_speculative_tokens": 3,
+                                                      "prompt_lookup_min": 1} if speculative else None)
+    engine = LLMEngine(cfg, loaded)
+    assert engine.kv.num_blocks == num_blocks
+    return engine
+
+
+def run_program(engine: LLMEngine, program) -> None:
+    """Run an `ops` program, checking the accounting after every operation and step, then drain and reset."""
     shared = list(range(5, 25))
     ids = []
     for op in program:
@@ -65,6 +88,20 @@ def test_random_workloads_never_leak(tiny_loaded, program, prefix_caching, layou
         check_accounting(engine)
     engine.kv.reset_prefix_cache()
     assert engine.kv.allocator.num_free == engine.kv.num_blocks
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=ops, prefix_caching=st.booleans(), layout=st.sampled_from(["paged", "contiguous"]),
+       speculative=st.booleans())
+def test_random_workloads_never_leak(tiny_loaded, program, prefix_caching, layout, speculative):
+    run_program(accounting_engine(tiny_loaded, 24, prefix_caching, layout, speculative), program)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=ops, prefix_caching=st.booleans(), speculative=st.booleans())
+def test_random_workloads_never_leak_with_two_kv_groups(hybrid_loaded, program, prefix_caching, speculative):
+    """Full and sliding-window groups share the allocator; sliding tables free blocks behind the window."""
+    run_program(accounting_engine(hybrid_loaded, 36, prefix_caching, "paged", speculative), program)
 
 
 def test_preemption_happens_and_recovers(tiny_loaded):

@@ -87,7 +87,7 @@ def test_generation_matches_transformers_with_chunks_preemption_prefix_and_specu
             for p in prompts]
     for speculative in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
         llm = LLM.from_engine(LLMEngine(EngineConfig(
-            kv_cache_memory=44 * 2 * 4 * 2 * 2 * 16 * 4, block_size=4, max_num_batched_tokens=5, max_num_seqs=4,
+            kv_cache_memory=30 * 2 * 4 * 2 * 2 * 16 * 4, block_size=4, max_num_batched_tokens=5, max_num_seqs=4,
             speculative=speculative), loaded))
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         assert [out.token_ids for out in outs] == refs
@@ -119,3 +119,53 @@ def test_policies_compact_full_attention_groups_only(hybrid):
             assert kv.cache_len(seq) <= 16 + 4 and kv.group_cache_len(seq, 1) == seq.num_computed_tokens
             assert len(kv.block_table(seq, 0)) == -(-kv.cache_len(seq) // 4)
     assert engine.runner.evictor.evicted_tokens > 0 and kv.allocator.num_used == 0
+
+
+def test_prefix_caching_does_not_pin_blocks_behind_the_window(hybrid):
+    """With prefix caching on, a long sequence's sliding blocks behind the window stay cached only until
+    memory is needed: a second sequence fits beside it (reclaimed), and a request sharing its prompt still
+    hits (the window before the hit point is kept while the first one runs)."""
+    _, loaded = hybrid
+    engine = LLMEngine(EngineConfig(kv_cache_memory=40 * 2 * 4 * 2 * 2 * 16 * 4, block_size=4, max_model_len=100,
+                                    max_num_batched_tokens=8), loaded)
+    prompt = list(range(1, 41))
+    first = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    while engine.requests[first].num_computed_tokens < 60:
+        engine.step()
+    # 60 tokens: 15 full blocks + 3..4 window blocks held; the tree keeps the 10 behind-window prompt blocks
+    assert engine.kv.stats()["kv_blocks_cached_idle"] >= 10
+    second = engine.add_request(prompt + [50, 51], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert engine.requests[second].num_computed_tokens >= 40  # hit at 40: full blocks + the window before it
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.scheduler.num_preemptions == 0 and engine.kv.stats()["prefix_hit_tokens"] == 40
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4", "kivi2"])
+def test_every_format_works_per_group(hybrid, fmt):
+    """A format stores each group's blocks alike: groups give the logits of every-layer-full storage (the
+    window masks them the same), and the pool allocates what the formula says (staging per group)."""
+    _, loaded = hybrid
+    logits = []
+    for groups in (True, False):
+        options = {"group_size": 16} if fmt in ("int4", "kivi2") else None  # the tiny model's head_dim is 16
+        engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=8, kv_cache_dtype=fmt, max_num_seqs=2,
+                                        kv_cache_options=options, kv_cache_groups=groups), loaded)  # 8 > 4 sinks
+        kv = engine.kv
+        assert kv.pool.allocated_bytes() == pool_bytes(engine.spec, engine.format, 8, kv.num_blocks, 2, kv.groups)
+        logits.append(position_logits(engine, TOKENS, chunk_size=8))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+def test_hybrid_memory_bench_fits_more_sequences(hybrid):
+    """Budget of two 64-token sequences with every layer full (2 x 16 blocks of 4 layer slots = 64 blocks of 2):
+    with groups one sequence holds 16 full + 4 window blocks (12 + 4 tokens), so 64 // 20 = 3 fit."""
+    from kvforge.bench.hybrid import hybrid_bench
+
+    r = hybrid_bench(hybrid[1], seq_len=64, num_requests=6, budget_seqs=2, output_len=24, block_size=4, chunk=16,
+                     show_progress=False)
+    assert (r["groups"]["sequences_that_fit"], r["full_layers"]["sequences_that_fit"]) == (3, 2)
+    assert r["groups"]["num_blocks"] == 64 and r["full_layers"]["num_blocks"] == 32
+    assert r["groups"]["peak_concurrent_seqs"] > r["full_layers"]["peak_concurrent_seqs"]
+    assert r["concurrency_ratio"] > 1

@@ -5,14 +5,17 @@ from dataclasses import dataclass, fields
 
 from kvforge.errors import ConfigError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "layer_skip", "draft")
+_INTS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """method: 'ngram' (prompt lookup over the sequence's own prompt and output).
+    """method: 'ngram' (prompt lookup over the sequence's own prompt and output), 'layer_skip' (the target's
+    own first `num_layers` layers, or the given `layers`, plus final norm and LM head) or 'draft' (the model at
+    `model`, whose tokenizer must match the target's).
     num_speculative_tokens: most tokens drafted per sequence and step.
-    prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first.
+    prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first (ngram).
     disable_by_batch_size: no drafting while this many sequences run (verification then costs more than it saves).
     """
 
@@ -21,18 +24,50 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 16
+    num_layers: int | None = None
+    layers: tuple[int, ...] | None = None
+    model: str | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ConfigError(f"speculative method {self.method!r} is not supported; allowed: {', '.join(METHODS)}")
-        ints = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "method"}
-        bad = [n for n, v in ints.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        ints = {n: getattr(self, n) for n in _INTS}
+        if self.num_layers is not None:
+            ints["num_layers"] = self.num_layers
+        bad = [n for n, v in ints.items() if not _positive_int(v)]
         if bad:
             raise ConfigError(f"speculative: {', '.join(bad)} must be integers >= 1, got "
                               + ", ".join(f"{n}={ints[n]!r}" for n in bad))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                               f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.layers is not None:
+            layers = tuple(self.layers) if isinstance(self.layers, (list, tuple)) else None
+            if not layers or not all(_positive_int(i + 1) for i in layers if isinstance(i, int)) and all(isinstance(i, int) for i in layers) or list(layers) != sorted(set(layers)):
+                raise ConfigError(f"speculative: layers must be a non-empty ascending list of distinct layer indices "
+                                  f">= 0, got {self.layers!r}")
+            object.__setattr__(self, "layers", layers)
+        self._check_method_options()
+
+    def _check_method_options(self) -> None:
+        layer_opts = self.num_layers is not None or self.layers is not None
+        if self.method == "layer_skip" and (self.num_layers is None) == (self.layers is None):
+            raise ConfigError("speculative method 'layer_skip' needs exactly one of num_layers (the first N layers) "
+                              "or layers (a list of layer indices)")
+        if self.method != "layer_skip" and layer_opts:
+            raise ConfigError(f"speculative: num_layers / layers belong to method 'layer_skip', not {self.method!r}")
+        if self.method == "draft" and not (isinstance(self.model, str) and self.model):
+            raise ConfigError("speculative method 'draft' needs model: the path of a draft model kvforge can load")
+        if self.method != "draft" and self.model is not None:
+            raise ConfigError(f"speculative: model belongs to method 'draft', not {self.method!r}")
+
+    def drafted_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The target layers a layer_skip drafter runs; ConfigError when they do not exist."""
+        layers = self.layers if self.layers is not None else tuple(range(self.num_layers))
+        if layers[-1] >= num_layers or len(layers) >= num_layers:
+            raise ConfigError(f"speculative layer_skip: the target has {num_layers} layers; the drafter must run a "
+                              f"proper subset of layers 0..{num_layers - 1}, got {list(layers)}")
+        return layers
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
@@ -46,3 +81,7 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"speculative: unknown options {unknown}; allowed: {sorted(known)}")
         return cls(**value)
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1

@@ -6,14 +6,17 @@ import time
 import torch
 
 from kvforge.engine.sampler import target_probs
+from kvforge.engine.scheduler import ScheduledBatch
 from kvforge.engine.spec.config import SpeculativeConfig
+from kvforge.engine.spec.model_drafter import PENDING, ModelDrafter
 from kvforge.engine.spec.ngram import propose_ngram
 from kvforge.engine.spec.verify import verify_greedy, verify_sampled
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, length_limit: int, evictor=None):
-        self.config, self.length_limit, self.evictor = config, length_limit, evictor
+    def __init__(self, config: SpeculativeConfig, length_limit: int, evictor=None, drafter: ModelDrafter | None = None):
+        """drafter: the model that drafts (layer_skip, draft); None drafts by prompt lookup (ngram)."""
+        self.config, self.length_limit, self.evictor, self.drafter = config, length_limit, evictor, drafter
         k = config.num_speculative_tokens
         self.num_drafts = 0  # (sequence, step) pairs that verified at least one drafted token
         self.num_draft_tokens = 0
@@ -23,7 +26,8 @@ class SpeculativeDecoder:
         self.draft_seconds = 0.0
 
     def propose(self, running: list) -> None:
-        """Set each decoding sequence's draft_token_ids for the coming step (empty when it should not draft)."""
+        """Set each decoding sequence's draft_token_ids for the coming step (empty when it should not draft).
+        A model drafter reserves PENDING positions here; `draft` fills those the scheduler kept."""
         start = time.perf_counter()
         active = len(running) < self.config.disable_by_batch_size
         c = self.config
@@ -35,9 +39,33 @@ class SpeculativeDecoder:
             k = min(seq.spec_len or c.num_speculative_tokens, room)
             if self.evictor is not None and k > 0:  # stop where token-by-token decoding would compact the cache
                 k = self.evictor.tokens_before_compaction(seq, k + 1) - 1
-            if k > 0:
+            if k > 0 and self.drafter is not None:
+                seq.draft_token_ids = [PENDING] * k
+            elif k > 0:
                 seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
         self.draft_seconds += time.perf_counter() - start
+
+    def draft(self, batch: ScheduledBatch, runner) -> None:
+        """After scheduling: the model drafter chooses the tokens of the positions the step reserved."""
+        seqs = [seq for seq in batch.seqs if seq.draft_token_ids]
+        if self.drafter is None or not seqs:
+            return
+        start = time.perf_counter()
+        _, meta, _ = runner.build_metadata(ScheduledBatch(seqs, [1 + len(seq.draft_token_ids) for seq in seqs]))
+        self.drafter.draft(seqs, meta, runner.device)
+        self.draft_seconds += time.perf_counter() - start
+
+    def observe(self, input_ids: torch.Tensor, meta) -> None:
+        """The target ran a forward: a drafter with its own cache mirrors it."""
+        if self.drafter is not None:
+            start = time.perf_counter()
+            self.drafter.observe(input_ids, meta)
+            self.draft_seconds += time.perf_counter() - start
+
+    def rollback(self, seq, kv) -> None:
+        """seq's cache was cut back after rejected drafts: the drafter's own cache follows."""
+        if self.drafter is not None:
+            self.drafter.rollback(seq, kv.cache_len(seq), kv.block_table(seq), kv.block_size)
 
     def verify(self, seq, logits: torch.Tensor) -> list[int]:
         """logits [len(drafts) + 1, vocab] of seq's last rows -> the tokens it emits this step."""
@@ -73,4 +101,5 @@ class SpeculativeDecoder:
             "spec_acceptance_per_position": [a / d if d else 0.0 for a, d in
                                              zip(self.accepted_per_position, self.drafted_per_position)],
             "spec_draft_seconds": self.draft_seconds,
+            **(self.drafter.stats() if self.drafter is not None else {}),
         }

@@ -1,0 +1,70 @@
+"""ModelDrafter: drafts with a (smaller) causal model, greedily, one token per step, over the lookahead rows.
+
+The scheduler has already reserved each sequence's 1 + k rows (its last token and k drafts); drafting step j
+feeds row j of every sequence still drafting and writes that row's K/V at the slot verification will use, so
+the drafter's attention sees its own earlier drafts and the verification forward simply overwrites them
+(rows it rejects are rolled back with the target's). Argmax drafts are point masses, so rejection sampling
+stays exact (see verify.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvforge.attention import AttentionMetadata
+
+PENDING = -1  # a reserved draft position whose token the drafter has not chosen yet
+
+
+class ModelDrafter:
+    def __init__(self, forward: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor],
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor]):
+        self.forward, self.compute_logits = forward, compute_logits
+
+    @torch.inference_mode()
+    def draft(self, seqs: list, meta: AttentionMetadata, device: torch.device) -> None:
+        """meta: the rows (positions, slots, context) of each seq's last token and drafts, as the target
+        will run them; fills each seq's PENDING draft_token_ids in place."""
+        last = [seq.token_ids[-1] for seq in seqs]
+        for j in range(max(len(seq.draft_token_ids) for seq in seqs)):
+            active = [i for i, seq in enumerate(seqs) if len(seq.draft_token_ids) > j]
+            step = _row_metadata(meta, active, j)
+            hidden = self.forward(torch.tensor([last[i] for i in active], dtype=torch.long, device=device), step)
+            tokens = self.compute_logits(hidden).argmax(-1).tolist()
+            for i, token in zip(active, tokens):
+                seqs[i].draft_token_ids[j] = last[i] = token
+
+    def observe(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The target ran a forward over these rows; a drafter with its own cache mirrors it."""
+
+    def rollback(self, seq, cache_len: int, table: list[int], block_size: int) -> None:
+        """seq's cache was cut back to cache_len rows; a drafter with its own cache voids the same rows."""
+
+    def stats(self) -> dict:
+        return {}
+
+
+def _row_metadata(meta: AttentionMetadata, seqs: list[int], j: int) -> AttentionMetadata:
+    """One query row (the j-th new row) of each listed sequence, in every KV group's view of the step."""
+    if meta.layer_views is None:
+        return _row_view(meta, seqs, j)
+    made: dict[int, AttentionMetadata] = {}
+    views = [made.setdefault(id(v), _row_view(v, seqs, j)) for v in meta.layer_views]
+    out = made.get(id(meta)) or _row_view(meta, seqs, j)
+    out.layer_views = views
+    return out
+
+
+def _row_view(meta: AttentionMetadata, seqs: list[int], j: int) -> AttentionMetadata:
+    """One view: row j of each listed sequence, attending to its cache up to that row."""
+    rows = [meta.query_start_loc[i] + j for i in seqs]
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows],
+        positions=meta.positions[rows],
+        query_lens=[1] * len(seqs),
+        context_lens=[meta.context_lens[i] - meta.query_lens[i] + 1 + j for i in seqs],
+        block_tables=[meta.block_tables[i] for i in seqs],
+        block_size=meta.block_size,
+        sliding_window=meta.sliding_window,
+    )
