@@ -51,6 +51,8 @@ class AttentionMetadata:
         self.multi_rows = [i for i, n in enumerate(self.query_lens) if 1 < n <= MULTI_QUERY_MAX]
         self.prefill_rows = [i for i, n in enumerate(self.query_lens) if n > MULTI_QUERY_MAX]
         self._groups_cache = None
+        self._one_query_cache = None
+        self._all_decode_cache = None
         self._multi_cache = None
         self._prefill_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -68,6 +70,27 @@ class AttentionMetadata:
             self._groups_cache = [(part, *self._layout(part, device))
                                   for part in (rows[s: s + size] for s in range(0, len(rows), size))]
         return self._groups_cache
+
+    def one_query_groups(self, device) -> list[tuple]:
+        """decode_groups shaped as rows of M = 1 queries (mask [B, 1, keys], query index and lengths [B, 1])."""
+        if self._one_query_cache is None:
+            self._one_query_cache = [(rows, table, valid[:, None], q_index[:, None], ctx[:, None])
+                                     for rows, table, valid, q_index, ctx in self.decode_groups(device)]
+        return self._one_query_cache
+
+    def all_decode(self, device) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Every decode row in one batch for the compiled operator, which walks each row's own length (no
+        bucketing): (query index, None when the decode rows are all rows in order; block table; lengths)."""
+        if self._all_decode_cache is None:
+            rows = self.decode_rows
+            width = max(len(self.block_tables[i]) for i in rows)
+            table = torch.tensor([self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in rows],
+                                 dtype=torch.long)
+            lens = torch.tensor([self.context_lens[i] for i in rows], dtype=torch.long)
+            identity = len(rows) == len(self.query_lens)
+            q_index = None if identity else torch.tensor([self.query_start_loc[i] for i in rows], device=device)
+            self._all_decode_cache = q_index, table.to(device), lens
+        return self._all_decode_cache
 
     def _layout(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(len(self.block_tables[i]) for i in rows)
@@ -121,10 +144,17 @@ class AttentionMetadata:
 
 def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, dim] -> [T, heads, v_dim] attention output over the cached history."""
-    out = None
-    one_query = [(rows, table, valid[:, None], q_index[:, None], ctx[:, None])
-                 for rows, table, valid, q_index, ctx in meta.decode_groups(q.device)]
-    for rows, table, valid, q_index, q_ctx in one_query + meta.multi_groups(q.device):
+    out, compiled = None, False
+    if meta.decode_rows and not meta.stats:  # the compiled operator (KV policies read probabilities: torch path)
+        q_index, table, lens = meta.all_decode(q.device)
+        dec = paged_decode(q if q_index is None else q[q_index], cache, table, lens, scale, meta.sliding_window)
+        if dec is not None and q_index is None:
+            return dec
+        if dec is not None:
+            out, compiled = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1]), True
+            out[q_index] = dec
+    groups = [] if compiled else meta.one_query_groups(q.device)
+    for rows, table, valid, q_index, q_ctx in groups + meta.multi_groups(q.device):
         dec = _decode(q, cache, meta, scale, rows, table, valid, q_index, q_ctx)
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])

@@ -84,6 +84,19 @@ class LayerKV(ABC):
         """The storage as tensors for in-place decoding operators; None when this layer has no such view."""
         return None
 
+    @abstractmethod
+    def export_blocks(self, block_ids: torch.Tensor) -> list[bytes]:
+        """Each block's exact stored state as bytes (a flag byte, then the encoded rows): lossless, and the
+        block itself is left as it was."""
+
+    @abstractmethod
+    def import_blocks(self, block_ids: torch.Tensor, payloads: list[bytes | memoryview]) -> None:
+        """Make each (freshly allocated) block hold exactly what `export_blocks` returned for it."""
+
+    @abstractmethod
+    def payload_bytes(self, flag: int) -> int:
+        """Length of a payload of this layer that starts with the flag byte `flag`."""
+
 
 class KVFormat(ABC):
     """A storage codec. Subclasses register themselves by `name`."""

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.errors import ModelLoadError
+from kvforge.ops.layers import linear, rms_norm, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -17,21 +18,43 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(var + self.eps))
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); after `fuse_projections`, gate and up are one matmul."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)
+
+    def fuse_projections(self) -> None:
+        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@torch.no_grad()
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the given projections' rows in order; each projection's parameters become
+    views into it, so one matmul computes them all and no weight is stored twice."""
+    weight = torch.cat([lin.weight for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = torch.cat(biases) if all(b is not None for b in biases) else None
+    first = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[first: first + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[first: first + rows], requires_grad=False)
+        first += rows
+    return weight, bias
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -12,8 +12,8 @@ from torch import nn
 from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
-from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from kvforge.rope import apply_rope
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
+from kvforge.ops.layers import linear, rope
 
 
 class Attention(nn.Module):
@@ -31,18 +31,30 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.head_dim**-0.5
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse_projections(self) -> None:
+        """q, k and v as one matmul (their parameters become views into the fused weight)."""
+        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        if self.qkv_weight is None:
+            return (self.q_proj(x).view(t, heads, self.head_dim), self.k_proj(x).view(t, kv_heads, self.head_dim),
+                    self.v_proj(x).view(t, kv_heads, self.head_dim))
+        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(t, heads + 2 * kv_heads, self.head_dim)
+        return qkv.split_with_sizes([heads, kv_heads, kv_heads], dim=1)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv: KVPool) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         kv.write(self.layer_idx, meta, k, v)
         out = attend(q, kv.layers[self.layer_idx], meta.for_layer(self.layer_idx), self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return linear(out.reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -80,6 +92,9 @@ class LlamaForCausalLM(nn.Module):
         """Recreate non-persistent buffers after loading weights onto a meta-built model."""
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
                 layers: Sequence[int] | None = None) -> torch.Tensor:
@@ -92,4 +107,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return linear(hidden, self.lm_head.weight)

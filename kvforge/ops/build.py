@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger("kvforge.ops")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_decode.cpp", "tiles.cpp")
+SOURCES = ("paged_decode.cpp", "tiles.cpp", "layers.cpp", "small_matmul.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 

@@ -1,12 +1,20 @@
-"""The operator's schema (torch.library), with the torch reference as its implementation for every device;
-the compiled CPU kernel (csrc/paged_decode.cpp) registers for the CPU key and takes over there."""
+"""The operators' schemas (torch.library), with torch references as their implementation for every device;
+the compiled CPU kernels (csrc/) register for the CPU key and take over there."""
 from __future__ import annotations
 
 import torch
 
-from kvforge.ops import reference
+from kvforge.ops import layers_reference, reference
 
 LIB = torch.library.Library("kvforge", "FRAGMENT")
 LIB.define("paged_decode(Tensor q, Tensor block_table, Tensor context_lens, float scale, int window, "
            "int[] k_meta, Tensor[] k_parts, int[] v_meta, Tensor[] v_parts, Tensor[] stage, Tensor[] sink) -> Tensor")
 LIB.impl("paged_decode", reference.paged_decode, "CompositeExplicitAutograd")
+LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+LIB.impl("rms_norm", layers_reference.rms_norm, "CompositeExplicitAutograd")
+LIB.define("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()")
+LIB.impl("rope_", layers_reference.rope_, "CompositeExplicitAutograd")
+LIB.define("silu_mul(Tensor gate_up) -> Tensor")
+LIB.impl("silu_mul", layers_reference.silu_mul, "CompositeExplicitAutograd")
+LIB.define("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+LIB.impl("small_linear", layers_reference.linear, "CompositeExplicitAutograd")

@@ -13,15 +13,16 @@ from __future__ import annotations
 import torch
 
 from kvforge.kv.layer_format import LayerKV, RawKV
+from kvforge.kv.quant.block_io import QuantBlockIO
 from kvforge.kv.quant.codec import Codec
-from kvforge.kv.quant.sidetable import SideTable
+from kvforge.kv.quant.sidetable import Claim, SideTable
 from kvforge.kv.spec import KVCacheSpec
 
 EXACT_DTYPE = torch.float16
 PARTIAL_BIAS = 1 << 48
 
 
-class QuantLayerKV(LayerKV):
+class QuantLayerKV(QuantBlockIO, LayerKV):
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, codecs: tuple[Codec, Codec | None],
                  stage_entries: int, sinks: int, sink_entries: int, device: torch.device):
         self.bs, self.sinks = block_size, sinks
@@ -68,11 +69,7 @@ class QuantLayerKV(LayerKV):
             return
         if self.stage is not None:
             self.stage.release(new)
-            claim = self.stage.claim(new, (~self.stage_full).long() * PARTIAL_BIAS)
-            self._flush(claim.victim_blocks, claim.victim_entries)
-            self.stage_full[claim.entries] = False
-            for s in self.stage_rows:
-                s[claim.entries] = 0
+            self._claim_stage(new)
             e = self.stage.lookup(blocks)
             staged = e >= 0
             for s, x in zip(self.stage_rows, rows):
@@ -82,6 +79,15 @@ class QuantLayerKV(LayerKV):
             blocks, offs, rows = blocks[rest], offs[rest], [x[rest] for x in rows]
         if len(blocks):
             self._merge(blocks, offs, rows, new)
+
+    def _claim_stage(self, blocks: torch.Tensor) -> Claim:
+        """Give blocks empty staging entries (full blocks first, then partial ones are flushed to make room)."""
+        claim = self.stage.claim(blocks, (~self.stage_full).long() * PARTIAL_BIAS)
+        self._flush(claim.victim_blocks, claim.victim_entries)
+        self.stage_full[claim.entries] = False
+        for s in self.stage_rows:
+            s[claim.entries] = 0
+        return claim
 
     def _merge(self, blocks: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor], new: torch.Tensor) -> None:
         """Rows into blocks that live only as codes: decode, insert, re-encode (new blocks start at zero)."""

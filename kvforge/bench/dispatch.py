@@ -1,0 +1,65 @@
+"""Count the aten operators a piece of engine work dispatches (each one is a trip through torch's
+dispatcher and, on CPU, a small kernel launch): `count_ops(fn)` for any callable, `decode_step_ops`
+for one decode step of an engine (`python -m kvforge.bench.dispatch [--batch 1 8] [--context 128]`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from collections.abc import Callable
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], object]) -> Counter[str]:
+    """The operators fn dispatches, by name (e.g. `aten.mm`, `kvforge.paged_decode`), with their counts."""
+    with _Counter() as counter:
+        fn()
+    return counter.ops
+
+
+def decode_step_ops(engine) -> Counter[str]:
+    """Operators of the engine's next step, after one warm-up step (first-use caches filled); for a decode step,
+    give it an engine whose running sequences are all decoding (e.g. `bench.kv_formats.decode_engine`)."""
+    engine.step()
+    return count_ops(engine.step)
+
+
+def dispatch_report(batches: list[int], context: int, model: str | None = None) -> dict:
+    from kvforge.bench.kv_formats import decode_engine
+    from kvforge.models.loader import load_model
+
+    loaded = load_model(model)
+    layers = loaded.config.num_layers
+    rows = {}
+    for batch in batches:
+        engine = decode_engine(loaded, "fp32", context - 1, batch, 8, 16)
+        ops = decode_step_ops(engine)
+        total = sum(ops.values())
+        rows[f"b{batch}"] = {"ops_per_step": total, "ops_per_layer": total / layers,
+                             "top": dict(ops.most_common(12))}
+    return {"context": context, "layers": layers, "steps": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--model", default=None)
+    a = p.parse_args()
+    print(json.dumps(dispatch_report(a.batch, a.context, a.model), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+// Per-layer elementwise work of a decoder in one pass each, so a decode step dispatches one operator
+// where the torch code dispatched five to ten: RMSNorm, RoPE (rotate-half, in place on q and k heads
+// of a fused projection's output) and SwiGLU's silu(gate) * up. fp32, rows in parallel.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "vmath.h"
+
+namespace kvforge {
+namespace {
+
+void check_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), op, ": fp32 CPU tensors only");
+  TORCH_CHECK(x.stride(-1) == 1, op, ": the last dimension must be contiguous");
+}
+
+at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  check_rows(x_in, "rms_norm");
+  const at::Tensor x = x_in.contiguous(), w = weight.contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / d;
+  TORCH_CHECK(w.numel() == d, "rms_norm: weight has ", w.numel(), " elements, rows have ", d);
+  at::Tensor out = at::empty_like(x);
+  const float *src = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = src + r * d;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+      float* o = dst + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) o[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+  return out;
+}
+
+// x [T, heads, dim] (any row and head strides), cos/sin [T, dim]: x = x * cos + rotate_half(x) * sin.
+void rope_cpu(at::Tensor x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  check_rows(x, "rope_");
+  TORCH_CHECK(x.dim() == 3, "rope_: x must be [tokens, heads, dim]");
+  const at::Tensor c = cos_in.contiguous(), s = sin_in.contiguous();
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(c.size(0) == t && c.size(1) == d && s.sizes() == c.sizes(), "rope_: cos/sin must be [tokens, dim]");
+  TORCH_CHECK(d % 2 == 0 && half <= 512, "rope_: head dim must be even and at most 1024");
+  float* base = x.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+  at::parallel_for(0, t * heads, 64, [&](int64_t begin, int64_t end) {
+    float lo[512];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / heads, h = task % heads;
+      float* v = base + i * st + h * sh;
+      const float *cr = cp + i * d, *sr = sp + i * d;
+      for (int64_t j = 0; j < half; ++j) lo[j] = v[j];
+#pragma omp simd
+      for (int64_t j = 0; j < half; ++j) v[j] = v[j] * cr[j] + (-v[j + half]) * sr[j];
+#pragma omp simd
+      for (int64_t j = 0; j < half; ++j) v[j + half] = v[j + half] * cr[j + half] + lo[j] * sr[j + half];
+    }
+  });
+}
+
+// gate_up [T, 2 * inter] (gate then up) -> silu(gate) * up [T, inter]
+at::Tensor silu_mul_cpu(const at::Tensor& gu_in) {
+  check_rows(gu_in, "silu_mul");
+  const at::Tensor gu = gu_in.contiguous();
+  const int64_t n = gu.size(-1) / 2, rows = gu.numel() / gu.size(-1);
+  auto sizes = gu.sizes().vec();
+  sizes.back() = n;
+  at::Tensor out = at::empty(sizes, gu.options());
+  const float* src = gu.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *g = src + r * 2 * n, *u = g + n;
+      float* o = dst + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float e = exp_nonpositive(-std::fabs(g[i]));  // sigmoid from exp(-|g|): no overflow
+        const float sig = g[i] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+        o[i] = g[i] * sig * u[i];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace kvforge
+
+TORCH_LIBRARY_IMPL(kvforge, CPU, m) {
+  m.impl("rms_norm", &kvforge::rms_norm_cpu);
+  m.impl("rope_", &kvforge::rope_cpu);
+  m.impl("silu_mul", &kvforge::silu_mul_cpu);
+}

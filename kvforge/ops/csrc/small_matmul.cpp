@@ -1,0 +1,88 @@
+// kvforge::small_linear: y = x @ W^T (+ bias) for the few rows of a decode step (x [M, K], M small), where a
+// BLAS tuned for large products leaves most of the memory bandwidth unused. Each tile of W's rows is read
+// from memory once and multiplied by every row of x (kept in cache) in AVX-512 registers; parallel over W's
+// rows. Without AVX-512 it calls at::linear.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace kvforge {
+namespace {
+
+#if defined(__AVX512F__)
+// Rows [n0, n0 + NR) of W against rows [m0, m0 + MR) of x.
+template <int NR, int MR>
+inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t full = K / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - full)) - 1u);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = k < full ? static_cast<__mmask16>(0xFFFF) : tail;
+    __m512 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + (n0 + r) * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + m) * K + k);
+      for (int r = 0; r < NR; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+template <int MR>
+void rows_of_w(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  constexpr int NR = MR == 1 ? 8 : (MR <= 4 ? 4 : 2);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) tile<NR, MR>(x, w, y, K, N, m0, n);
+  for (; n < n1; ++n) tile<1, MR>(x, w, y, K, N, m0, n);
+}
+
+void rows_chunk(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t mr, int64_t n0,
+                int64_t n1) {
+  switch (mr) {
+    case 1: return rows_of_w<1>(x, w, y, K, N, m0, n0, n1);
+    case 2: return rows_of_w<2>(x, w, y, K, N, m0, n0, n1);
+    case 3: return rows_of_w<3>(x, w, y, K, N, m0, n0, n1);
+    case 4: return rows_of_w<4>(x, w, y, K, N, m0, n0, n1);
+    case 5: return rows_of_w<5>(x, w, y, K, N, m0, n0, n1);
+    case 6: return rows_of_w<6>(x, w, y, K, N, m0, n0, n1);
+    case 7: return rows_of_w<7>(x, w, y, K, N, m0, n0, n1);
+    default: return rows_of_w<8>(x, w, y, K, N, m0, n0, n1);
+  }
+}
+#endif
+
+at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1),
+              "small_linear: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "small_linear: fp32 only");
+#if defined(__AVX512F__)
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kRowsPerTask = 64;  // W rows per parallel task: 64 * K floats streamed, then the next
+  at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n0 = task * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) rows_chunk(xp, wp, yp, K, N, m0, std::min<int64_t>(8, M - m0), n0, n1);
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+#else
+  return at::linear(x_in, w_in, bias);
+#endif
+}
+
+}  // namespace
+}  // namespace kvforge
+
+TORCH_LIBRARY_IMPL(kvforge, CPU, m) { m.impl("small_linear", &kvforge::small_linear_cpu); }

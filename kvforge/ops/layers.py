@@ -1,0 +1,51 @@
+"""Per-layer operators as the models call them: the compiled kernel (csrc/layers.cpp) for fp32 CPU tensors
+that need no gradient, else the torch reference (ops/layers_reference.py), called directly."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.ops import layers_reference
+from kvforge.ops.build import disabled, load_compiled
+
+
+def _compiled(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
+            and not disabled() and load_compiled())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _compiled(x):
+        return torch.ops.kvforge.rms_norm(x, weight, eps)
+    return layers_reference.rms_norm(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, dim] rotated (in place when compiled: x is a projection's fresh output); cos/sin [T, dim]."""
+    if _compiled(x):
+        torch.ops.kvforge.rope_(x, cos, sin)
+        return x
+    from kvforge.rope import apply_rope
+
+    return apply_rope(x, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [.., 2 * inter] gate/up projection."""
+    if _compiled(gate_up):
+        return torch.ops.kvforge.silu_mul(gate_up)
+    return layers_reference.silu_mul(gate_up)
+
+
+SMALL_ROWS = 4  # up to this many rows the compiled small_linear beats the BLAS for every decoder matmul measured
+SMALL_ROWS_WIDE = 32  # and up to this many for wide outputs (the vocabulary projection)
+WIDE = 8192
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the compiled small_linear for the few rows of a decode step (`python -m
+    kvforge.ops.bench_matmul` measures both)."""
+    rows = x.shape[0] if x.dim() == 2 else SMALL_ROWS_WIDE + 1
+    if rows <= (SMALL_ROWS_WIDE if weight.shape[0] >= WIDE else SMALL_ROWS) and _compiled(x):
+        return torch.ops.kvforge.small_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
