@@ -40,18 +40,19 @@ def questions(count: int, seed: int) -> list[str]:
 
 
 async def run_workload(url: str, systems: list[str], asks: list[str], max_tokens: int, concurrency: int,
-                       api_key: str | None = None) -> tuple[list[Shot], float]:
-    """(measured shots, their wall time); the warm-up round is sent first and not returned."""
+                       api_key: str | None = None, cache_salt: str | None = None) -> tuple[list[Shot], float]:
+    """(measured shots, their wall time); the warm-up round is sent first and not returned. A cache_salt keeps
+    this run from reusing blocks an earlier run left in a shared tier."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=600) as client:
-        await asyncio.gather(*(_one(client, i, s + asks[0], max_tokens) for i, s in enumerate(systems)))
+        await asyncio.gather(*(_one(client, i, s + asks[0], max_tokens, cache_salt) for i, s in enumerate(systems)))
 
         async def gated(i: int, prompt: str) -> Shot:
             async with gate:
-                return await _one(client, i, prompt, max_tokens)
+                return await _one(client, i, prompt, max_tokens, cache_salt)
 
         order = [(i, s + q) for q in asks[1:] for i, s in enumerate(systems)]
         start = time.perf_counter()
@@ -59,9 +60,9 @@ async def run_workload(url: str, systems: list[str], asks: list[str], max_tokens
         return list(shots), time.perf_counter() - start
 
 
-async def _one(client, system: int, prompt: str, max_tokens: int) -> Shot:
+async def _one(client, system: int, prompt: str, max_tokens: int, cache_salt: str | None) -> Shot:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "cache_salt": cache_salt}
     return system, await stream_one(client, body)
 
 
