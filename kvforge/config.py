@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvforge.errors import ConfigError
 
 KV_LAYOUTS = ("paged", "contiguous")
+PREEMPTION_MODES = (None, "recompute", "swap")
 
 
 @dataclass
@@ -29,6 +30,8 @@ class EngineConfig:
     speculative: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 5}; None = off
     device: str | None = None  # None = cuda when available, else cpu
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh randomness every run
+    kv_tiers: list[str] | None = None  # tiers below the pool, lookup order: "host:8GiB", "disk:PATH:100GiB", "redis://HOST:PORT"
+    preemption_mode: str | None = None  # "recompute" | "swap"; None = swap when a KV policy evicts and a host tier exists
 
     def __post_init__(self):
         if isinstance(self.kv_cache_memory, str):
@@ -51,6 +54,7 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self._check_tiers()
         if not self.enable_chunked_prefill and self.max_model_len and self.max_model_len > self.max_num_batched_tokens:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                               f"({self.max_num_batched_tokens} < {self.max_model_len})")
@@ -59,6 +63,18 @@ class EngineConfig:
         from kvforge.engine.spec.config import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative)  # refuse bad options at configuration time
+
+    def _check_tiers(self) -> None:
+        from kvforge.kv.tiers.spec import check_tier_spec
+
+        if isinstance(self.kv_tiers, str):
+            self.kv_tiers = [self.kv_tiers]
+        for text in self.kv_tiers or []:
+            check_tier_spec(text)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.kv_layout != "paged":
+            raise ConfigError("preemption_mode='swap' needs kv_layout='paged'")
 
     def resolve_device(self):
         import torch

@@ -37,10 +37,10 @@ def hf_config(kind: str):
 
 def _gemma_config(kind: str):
     """Gemma 2: final logit soft-cap, alternating layers. Gemma 3: QK-norm, linear-scaled global RoPE, a local base.
-    Windows are longer than the tests' sequences; query_pre_attn_scalar differs from head_dim."""
+    Windows are shorter than the tests' sequences; query_pre_attn_scalar differs from head_dim."""
     import transformers as tf
 
-    common = {**TINY, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 64,
+    common = {**TINY, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
               "initializer_range": 0.2}
     if kind == "gemma2":
         return tf.Gemma2Config(**common, attn_logit_softcapping=None, final_logit_softcapping=3.0)

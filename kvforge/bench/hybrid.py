@@ -15,7 +15,7 @@ from kvforge.kv.memory import budget_for, sequences_that_fit
 
 
 def hybrid_bench(loaded, seq_len: int = 4096, num_requests: int = 8, budget_seqs: int = 2, output_len: int = 128,
-                 block_size: int = 16, kv_dtype: str = "fp32", chunk: int = 1024, seed: int = 0,
+                 block_size: int = 16, kv_dtype: str = "fp32", chunk: int = 256, seed: int = 0,
                  show_progress: bool = True) -> dict:
     import random
 

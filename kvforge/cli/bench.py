@@ -79,6 +79,21 @@ def register(sub) -> None:
     _output_options(sp, model=True)
     sp.set_defaults(func=run_spec)
 
+    ti = bsub.add_parser("tiers", help="TTFT by tier (pool, host, disk, redis, recompute), swap vs recompute, two "
+                                       "engines on one Redis")
+    ti.add_argument("--docs", type=int, default=40, help="distinct documents, each asked twice (default: 40)")
+    ti.add_argument("--doc-tokens", type=int, default=2000, help="tokens per document (default: 2000)")
+    ti.add_argument("--kv-dtype", default="int8", help="KV format in the pool and every tier (default: int8)")
+    ti.add_argument("--pool-docs", type=int, default=3, help="documents the pool holds (default: 3)")
+    ti.add_argument("--host-docs", type=int, default=8, help="documents the host tier holds (default: 8)")
+    ti.add_argument("--disk-docs", type=int, default=12, help="documents the disk tier holds (default: 12)")
+    ti.add_argument("--redis", default=None, help="redis://HOST:PORT[/DB] (default: start a private redis-server)")
+    ti.add_argument("--pressure-requests", type=int, default=6, help="concurrent requests under pressure (default: 6)")
+    ti.add_argument("--replica-docs", type=int, default=8, help="documents of the two-engine run (default: 8)")
+    ti.add_argument("--seed", type=int, default=0, help="workload seed")
+    _output_options(ti, model=True)
+    ti.set_defaults(func=run_tiers)
+
     ll = bsub.add_parser("llama-cpp", help="kvforge vs llama.cpp (F32 GGUF of the same weights) on batched-bench shapes")
     ll.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
     ll.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
@@ -182,6 +197,29 @@ def run_prefix(args) -> int:
         ("peak KV bytes off / on", f'{r["off"]["peak_kv_bytes"]} / {r["on"]["peak_kv_bytes"]}'),
         ("peak_kv_reduction", r["peak_kv_reduction"]),
         ("multiturn.reuse_rate", r["multiturn"]["reuse_rate"]),
+    ])
+    return 0
+
+
+def run_tiers(args) -> int:
+    from kvforge.bench.tiers import tiers_bench
+    from kvforge.models.loader import load_model
+
+    r = tiers_bench(load_model(args.model), args.docs, args.doc_tokens, args.kv_dtype, args.pool_docs, args.host_docs,
+                    args.disk_docs, args.redis, args.pressure_requests, args.replica_docs, args.seed, not args.no_progress)
+    ratio = r["ttft_ratio"]
+    _emit(r, args.json, [
+        ("second_pass_hit_rate", r["second_pass_hit_rate"]),
+        ("asks by prefix source", r["asks_by_source"]),
+        ("mean TTFT by source (s)", {k: round(v, 3) for k, v in r["ttft_mean_s"].items()}),
+        *((f"ttft_ratio.{t}", ratio[t]) for t in ratio),
+        ("bytes per token by tier", {k: round(v, 1) for k, v in r["bytes_per_token"].items()}),
+        ("load GB/s by tier", {k: round(v, 3) for k, v in r["load_gbps"].items()}),
+        ("swap_vs_recompute_throughput", r["swap_vs_recompute_throughput"]),
+        ("tokens recomputed (recompute / swap)",
+         f'{r["pressure"]["recompute"]["tokens_recomputed"]} / {r["pressure"]["swap"]["tokens_recomputed"]}'),
+        ("cross_replica_hit_rate", r["cross_replica_hit_rate"]),
+        ("cross_replica_ttft_ratio", r["cross_replica_ttft_ratio"]),
     ])
     return 0
 

@@ -35,6 +35,12 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     g.add_argument("--speculative", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' (default: off)')
     add_policy_options(g)
+    g.add_argument("--kv-tier", dest="kv_tiers", action="append", default=None, metavar="TIER",
+                   help="a KV tier below the pool, repeatable, in lookup order: host:8GiB, disk:PATH:100GiB, "
+                        "redis://HOST:PORT[/DB] (default: none)")
+    g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
+                   help="what a preempted sequence's KV does: recomputed later, or swapped to host memory "
+                        "(default: swap when --kv-policy evicts and a host tier is set, else recompute)")
 
 
 def add_format_options(g) -> None:
@@ -91,4 +97,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "device": args.device,
         "speculative": json_object("--speculative", args.speculative, '{"method": "ngram"}') or None,
         **policy_kwargs(args),
+        "kv_tiers": args.kv_tiers,
+        "preemption_mode": args.preemption_mode,
     }

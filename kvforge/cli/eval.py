@@ -25,6 +25,18 @@ def register(sub) -> None:
     ppl.add_argument("--json", action="store_true", help="print JSON")
     ppl.add_argument("--segment", type=int, default=None, help="also report perplexity and peak KV per segment of N tokens (default: off)")
     add_policy_options(ppl)
+    panel = ppl.add_argument_group("panel (the texts the quality goals hold on; see docs/results.md)")
+    panel.add_argument("--panel", action="store_true",
+                       help="score the panel of texts (fp32 cache once per text) and report each delta, worst and mean")
+    panel.add_argument("--texts", default=None,
+                       help="comma-separated texts for --panel (default: hamlet,merry-wives,gpl-3,python-reference,"
+                            "stdlib-comments; the held-out text is idle-news)")
+    panel.add_argument("--variant", action="append", default=[], metavar="SPEC",
+                       help="with --panel, also score FORMAT[:OPTIONS][+POLICY:BUDGET[:OPTIONS]], e.g. "
+                            "'int4:{\"group_size\": 32}' or 'int8+h2o:0.5' (repeatable)")
+    panel.add_argument("--rows-file", default=None,
+                       help="with --panel, append each scored row to this JSON-lines file and skip rows already in it "
+                            "(default: none)")
     ppl.set_defaults(func=run_ppl)
     register_passkey(esub)
 
@@ -39,6 +51,8 @@ def run_ppl(args) -> int:
     from kvforge.eval.texts import load_text
     from kvforge.models.loader import load_model
 
+    if args.panel:
+        return run_panel(args)
     text = load_text(args.text, args.text_file)
     log(f"loading {args.model or 'the embedded SmolLM2-135M'}")
     loaded = load_model(args.model)
@@ -60,3 +74,43 @@ def run_ppl(args) -> int:
             g = r["greedy"]
             print(f"greedy agreement: {g['token_agreement']:.3f} of tokens, {g['identical_outputs']}/{g['prompts']} outputs identical")
     return 0
+
+
+def flags_variant(args) -> str:
+    """The variant spec (see kvforge.eval.panel) that --kv-dtype, --kv-options and --kv-policy name."""
+    spec = args.kv_dtype + (f":{args.kv_options}" if args.kv_options else "")
+    if args.kv_policy:
+        spec += f"+{args.kv_policy}:{args.budget}" + (f":{args.kv_policy_options}" if args.kv_policy_options else "")
+    return spec
+
+
+def run_panel(args) -> int:
+    from kvforge.eval.panel import panel_eval, parse_variant
+    from kvforge.eval.texts import PANEL
+    from kvforge.models.loader import load_model
+
+    specs = ([] if args.variant and args.kv_dtype == "fp32" and not args.kv_policy else [flags_variant(args)])
+    variants = [parse_variant(s) for s in [*specs, *args.variant]]
+    texts = args.texts.split(",") if args.texts else list(PANEL)
+    log(f"loading {args.model or 'the embedded SmolLM2-135M'}; {len(texts)} texts x (fp32 + {len(variants)} variants)")
+    loaded = load_model(args.model)
+    r = panel_eval(loaded, variants, texts, args.max_tokens, args.rows_file, log=None if args.json else log)
+    if args.json:
+        json.dump(r, sys.stdout, indent=2)
+        print()
+        return 0
+    print(format_panel(r))
+    return 0
+
+
+def format_panel(r: dict) -> str:
+    texts = r["texts"]
+    width = max(12, *(len(t) for t in texts))
+    lines = [f"{r['tokens']} tokens per text; delta = perplexity vs the fp32 cache on the same text",
+             f"{'variant':<44} {'B/token':>8} " + " ".join(f"{t:>{width}}" for t in texts) + "     worst      mean"]
+    for label, v in r["variants"].items():
+        cells = " ".join(f"{v['deltas'][t]:>+{width - 1}.2f}%" if t in v["deltas"] else f"{'-':>{width}}" for t in texts)
+        lines.append(f"{label:<44} {v['kv_bytes_per_token']:>8.0f} {cells} {v['worst_pct']:>+8.2f}% {v['mean_pct']:>+8.2f}%")
+    base = {row["text"]: row["ppl"] for row in r["rows"] if row["variant"].startswith("fp32 (")}
+    lines.append("fp32 ppl: " + ", ".join(f"{t} {base[t]:.3f}" for t in texts if t in base))
+    return "\n".join(lines)

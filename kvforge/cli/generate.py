@@ -120,7 +120,7 @@ def kv_stats(engine, ids: list[int], outs) -> dict:
         "prompt_tokens": len(ids),
         "generated_tokens": sum(len(o.token_ids) for o in outs),
         "finish_reason": outs[0].finish_reason,
-        **{k: v for k, v in s.items() if k.startswith("spec_")},
+        **{k: v for k, v in s.items() if k.startswith(("spec_", "tier_", "kv_tiers", "swap"))},
     }
 
 

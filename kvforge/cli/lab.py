@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--budgets", nargs="+", type=_budget, default=None, help="KV tokens kept (default 1/8, 1/4, 1/2 of --tokens)")
     p.add_argument("--priority", choices=["quality", "balanced", "efficiency"], default="balanced",
                    help="how the advisor ranks the measured candidates")
+    p.add_argument("--panel", action="store_true",
+                   help="quality cells score every panel text (kvforge eval ppl --panel) and report the worst and mean")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=run, mode="quick")
 
@@ -41,7 +43,7 @@ def run(args) -> int:
     from kvforge.lab import LabOptions, run_lab
 
     options = LabOptions(args.model, args.text, args.out, args.mode, args.tokens, args.formats, args.policies,
-                         args.budgets, args.priority, not args.no_progress)
+                         args.budgets, args.priority, not args.no_progress, args.panel)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         lab_run, _ = run_lab(options)

@@ -28,8 +28,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                            "the parameter count at the published dtype; printed)")
     weights.add_argument("--weights-dtype", choices=list(WEIGHT_BYTES_PER_PARAM),
                          help="estimate weights from the parameter count at this dtype (default: see --weights)")
+    p.add_argument("--kv-tier", dest="kv_tiers", action="append", default=None, metavar="TIER",
+                   help="also show what a KV tier holds in tokens of this format, e.g. host:8GiB or disk:PATH:100GiB "
+                        "(repeatable; default: none)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
+
+
+def tier_capacity(tiers: list[str] | None, bytes_per_token: float) -> list[dict]:
+    """Tokens each sized tier holds: blocks stay in their stored format (compressed formats hold more tokens)."""
+    from kvforge.kv.tiers.spec import check_tier_spec
+
+    out = []
+    for text in tiers or []:
+        check_tier_spec(text)
+        size = None if text.startswith("redis://") else parse_size(text.rpartition(":")[2])
+        out.append({"tier": text, "bytes": size, "tokens": int(size // bytes_per_token) if size else None})
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,7 +55,14 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size, memory=None if args.memory is None else parse_size(args.memory),
         weights=None if args.weights is None else parse_size(args.weights), weights_dtype=args.weights_dtype,
     )
-    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    tiers = tier_capacity(args.kv_tiers, report.per_token_bytes)
+    if args.json:
+        print(json.dumps({**report.to_dict(), **({"kv_tiers": tiers} if tiers else {})}, indent=2))
+        return 0
+    print(format_report(report))
+    for t in tiers:
+        held = f"{t['tokens']:,} tokens in {human(t['bytes'])}" if t["bytes"] else "bounded by the server's maxmemory"
+        print(f"  tier {t['tier']:<24} {held}")
     return 0
 
 

@@ -25,6 +25,7 @@ from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
+from kvforge.kv.tiers.setup import attach_tiers
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.models.packed_linear import pack_linears
 from kvforge.outputs import RequestOutput
@@ -64,7 +65,14 @@ class LLMEngine:
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
                                  self.max_model_len, prefix, config.max_num_seqs, self.groups)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        if config.kv_tiers and len(self.groups) > 1:
+            raise ConfigError(f"kv_tiers support models with one KV group; this model has {len(self.groups)} "
+                              "(full and sliding-window layers); leave kv_tiers unset")
+        self.tiers = attach_tiers(self.kv, config.kv_tiers, self.loaded.model, self.format, self.spec) \
+            if config.kv_tiers else None
+        self.preemption_mode = self._preemption_mode()
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+                                   self.preemption_mode)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, self.layer_windows, decode)
         if self.policy.evicts:
@@ -77,6 +85,16 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
+
+    def _preemption_mode(self) -> str:
+        """swap needs a tier to swap to; by default it is chosen when a KV policy evicts (recompute cannot rebuild a
+        compacted cache) and a host tier exists."""
+        mode, tiers = self.config.preemption_mode, self.config.kv_tiers or []
+        if mode == "swap" and not tiers:
+            raise ConfigError("preemption_mode='swap' needs a KV tier to swap to, e.g. kv_tiers=['host:4GiB']")
+        if mode is None:
+            mode = "swap" if self.policy.evicts and any(t.startswith("host:") for t in tiers) else "recompute"
+        return mode
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -173,6 +191,11 @@ class LLMEngine:
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
         return True
+
+    def close(self) -> None:
+        """Finish queued tier stores and close tier connections (the engine serves nothing after this)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -290,7 +313,10 @@ class LLMEngine:
         s.update({
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "loading": len(self.scheduler.loading),
             "preemptions": self.scheduler.num_preemptions,
+            "preemption_mode": self.preemption_mode,
+            "preempted_tokens_recomputed": self.scheduler.recomputed_tokens,
             "generated_tokens": self.generated_tokens,
             "kv_cache_dtype": self.format.name,
             "kv_layout": self.config.kv_layout,

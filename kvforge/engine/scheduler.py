@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from kvforge.engine.sequence import Sequence, SequenceStatus
 from kvforge.kv.manager import KVCacheManager
 
+LOAD_WAIT_S = 0.05
+
 
 @dataclass
 class ScheduledBatch:
@@ -26,22 +28,28 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True,
+                 preemption_mode: str = "recompute"):
         self.kv = kv
+        self.preemption_mode = preemption_mode
+        self.recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []  # waiting for their prefix blocks to come in from KV tiers
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> ScheduledBatch:
+        if self.loading:
+            self._finish_loads()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         i = 0
@@ -69,7 +77,16 @@ class Scheduler:
         computing: set = set()  # first blocks that sequences admitted this step are computing right now
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.kv.is_swapped(seq) and not self.kv.can_swap_in(seq):
+                if not self._ready_first():
+                    break
+                continue
             seq.num_computed_tokens = self.kv.match_prefix(seq)
+            if self.kv.is_loading(seq):
+                self.waiting.popleft()
+                self.loading.append(seq)
+                seq.status = SequenceStatus.LOADING
+                continue
             head = self.kv.uncached_head(seq)
             if head is not None and head in computing:
                 break  # another request computes this block now: admit next step, re-matching what it cached
@@ -86,6 +103,27 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def _ready_first(self) -> bool:
+        """Move waiting sequences that already hold their blocks (loaded or swapped in) to the front, so a swapped
+        sequence waiting for room does not wait on them; False when there are none."""
+        ready = [s for s in self.waiting if self.kv.block_table(s)]
+        if not ready or ready == list(self.waiting)[:len(ready)]:
+            return False
+        for s in ready:
+            self.waiting.remove(s)
+        self.waiting.extendleft(reversed(ready))
+        return True
+
+    def _finish_loads(self) -> None:
+        """Loaded sequences go back to the front of the queue, in order; with nothing else to run, wait a little."""
+        if not self.running and not self.waiting:
+            self.kv.wait_for_load(self.loading[0], LOAD_WAIT_S)
+        done = [seq for seq in self.loading if self.kv.finish_load(seq)]
+        for seq in reversed(done):
+            self.loading.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens
@@ -109,7 +147,11 @@ class Scheduler:
         seq.draft_token_ids = []
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self._release(seq)
+        if self.preemption_mode == "swap" and self.kv.swap_out(seq):
+            seq.draft_token_ids = []
+        else:
+            self.recomputed_tokens += seq.num_computed_tokens
+            self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.metrics.preemptions += 1
         self.num_preemptions += 1
@@ -122,5 +164,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.loading:
+            self.loading.remove(seq)
         self.kv.free(seq, cache)
         seq.status = SequenceStatus.FINISHED

@@ -11,6 +11,7 @@ from kvforge.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # its prefix blocks are being fetched from KV tiers
     RUNNING = "running"
     FINISHED = "finished"
 

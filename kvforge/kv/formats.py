@@ -6,6 +6,7 @@ from typing import ClassVar
 import torch
 
 from kvforge.errors import ConfigError
+from kvforge.kv.block_bytes import nbytes, rows_as_bytes, tensor_from_bytes
 from kvforge.kv.layer_format import KVFormat, LayerKV, RawKV, RawSide
 from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: F401  (registered on import)
 from kvforge.kv.spec import KVCacheSpec
@@ -33,6 +34,24 @@ class PlainLayerKV(LayerKV):
 
     def raw(self):
         return RawKV(RawSide("plain", [self.k]), RawSide("plain", [self.v])) if self.v is not None else None
+
+    def _sides(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v) if t is not None]
+
+    def export_blocks(self, block_ids):
+        rows = [rows_as_bytes(t.index_select(0, block_ids.long())) for t in self._sides()]
+        return [b"\0" + b"".join(r[i].tobytes() for r in rows) for i in range(len(block_ids))]
+
+    def import_blocks(self, block_ids, payloads):
+        pos = 1
+        for t in self._sides():
+            size = nbytes(t.shape[1:], t.dtype)
+            data = b"".join(bytes(p[pos:pos + size]) for p in payloads)
+            t[block_ids.long()] = tensor_from_bytes(data, (len(payloads), *t.shape[1:]), t.dtype, t.device)
+            pos += size
+
+    def payload_bytes(self, flag):
+        return 1 + sum(nbytes(t.shape[1:], t.dtype) for t in self._sides())
 
 
 class PlainFormat(KVFormat):

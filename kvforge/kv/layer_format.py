@@ -56,6 +56,23 @@ class LayerKV(ABC):
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 K and V of the given blocks, concatenated: [len(block_ids) * block_size, heads, dim]."""
 
+    def read_rows(self, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 K and V rows at flat slots, [len(slots), heads, dim]."""
+        blocks, where = torch.unique(slots.long() // block_size, return_inverse=True)
+        rows = where * block_size + slots.long() % block_size
+        k, v = self.gather(blocks)
+        return k[rows], (v[rows] if v is not None else None)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
+        """Rows at flat slots src go to slots dst (compaction: dst[i] <= src[i], both increasing) with the
+        values they decode to unchanged. This default re-writes them, exact for the plain dtypes."""
+        k, v = self.read_rows(src, block_size)
+        self.write(dst, k, v)
+
+    def rewrite(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """New values for rows already stored at slots (their blocks are not new, whatever the offset)."""
+        self.write(slots, k, v)
+
     def forget_rows(self, block: int, offset: int) -> None:
         """Rows from `offset` on in `block` are void (rolled back); they will be written again before use."""
 
@@ -66,6 +83,19 @@ class LayerKV(ABC):
     def raw(self) -> RawKV | None:
         """The storage as tensors for in-place decoding operators; None when this layer has no such view."""
         return None
+
+    @abstractmethod
+    def export_blocks(self, block_ids: torch.Tensor) -> list[bytes]:
+        """Each block's exact stored state as bytes (a flag byte, then the encoded rows): lossless, and the
+        block itself is left as it was."""
+
+    @abstractmethod
+    def import_blocks(self, block_ids: torch.Tensor, payloads: list[bytes | memoryview]) -> None:
+        """Make each (freshly allocated) block hold exactly what `export_blocks` returned for it."""
+
+    @abstractmethod
+    def payload_bytes(self, flag: int) -> int:
+        """Length of a payload of this layer that starts with the flag byte `flag`."""
 
 
 class KVFormat(ABC):

@@ -18,11 +18,13 @@ from kvforge.kv.prefix import PrefixTree
 from kvforge.kv.request_kv import RequestKV
 from kvforge.kv.sliding_prefix import SlidingPrefixTree
 from kvforge.kv.spec import KVCacheSpec
+from kvforge.kv.tiers.hooks import TierHooks
+from kvforge.kv.tiers.swap import SwapHooks
 
 _EMPTY = RequestKV()
 
 
-class KVCacheManager:
+class KVCacheManager(TierHooks, SwapHooks):
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
                  max_num_seqs: int = 1, groups: list[KVGroup] | None = None):
@@ -90,8 +92,11 @@ class KVCacheManager:
         """Adopt the longest cached prefix of a waiting request (whole blocks, at least one token left to
         compute); returns the tokens it now has computed. A request still holding an earlier match (it was
         held back) re-matches when the tree has grown since."""
+        if self.is_swapped(req):
+            return self._swap_in(req)
         if self.prefix_tree is None:
-            return req.num_computed_tokens
+            held = self.requests.get(req.request_id)  # a swapped-in request holds its restored tokens
+            return held.num_matched if held is not None else req.num_computed_tokens
         usable = (req.num_tokens - 1) // self.block_size * self.block_size
         tokens = req.token_ids[:usable]
         held = self.requests.get(req.request_id)
@@ -100,17 +105,18 @@ class KVCacheManager:
                 return held.num_matched
             self.free(req, cache=False)
         num = self._peek(tokens, req.cache_salt)
-        if not num:
-            return 0
-        state = self._state(req)
-        for g, (group, tree) in enumerate(zip(self.groups, self.prefix_trees)):
-            match = tree.match_prefix(tokens[:num], salt=req.cache_salt)
-            tree.lock(match.node)
-            skip = group.first_needed_block(num, self.block_size)  # a sliding group adopts only its window
-            self.allocator.incref(match.block_ids[skip:])
-            state.block_tables[g].extend([NULL_BLOCK] * skip + match.block_ids[skip:])
-            state.prefix_nodes.append(match.node)
-        state.num_matched = num
+        if num:
+            state = self._state(req)
+            for g, (group, tree) in enumerate(zip(self.groups, self.prefix_trees)):
+                match = tree.match_prefix(tokens[:num], salt=req.cache_salt)
+                tree.lock(match.node)
+                skip = group.first_needed_block(num, self.block_size)  # a sliding group adopts only its window
+                self.allocator.incref(match.block_ids[skip:])
+                state.block_tables[g].extend([NULL_BLOCK] * skip + match.block_ids[skip:])
+                state.prefix_nodes.append(match.node)
+            state.num_matched = num
+        if self.tiers is not None:
+            self._load_from_tiers(req, usable, num)
         return num
 
     def _peek(self, tokens, salt) -> int:
@@ -235,11 +241,13 @@ class KVCacheManager:
 
     def free(self, req, cache: bool = True) -> None:
         """Release everything req holds; with `cache`, its computed full blocks stay in the prefix cache first."""
+        self._drop_swapped(req)
         state = self.requests.pop(req.request_id, None)
         if state is None:
             return
         if cache:
             self._cache_full_blocks(req, state)
+        self._cancel_load(state)
         for tree, node in zip(self.prefix_trees, state.prefix_nodes):
             if node is not None:
                 tree.unlock(node)
@@ -272,4 +280,6 @@ class KVCacheManager:
             "prefix_reclaimed_blocks": sum(t.reclaimed_blocks for t in trees),
             "prefix_cache_granularity_tokens": self.block_size,
             "prefix_short_prompts": self.prefix_short_prompts,
+            **self.tier_stats(),
+            **(self.swap_stats() if self.tiers is not None else {}),
         }

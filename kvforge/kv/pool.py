@@ -36,5 +36,33 @@ class KVPool:
         for layer in self.slots:
             layer.forget_rows(block, offset)
 
+    def export_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's exact state in every layer slot, as one payload per block (slot payloads back to back);
+        a block id belongs to one KV group, so its slots are exactly that group's layers."""
+        if not block_ids:
+            return []
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.slots[0].tensors()[0].device)
+        per_layer = [layer.export_blocks(ids) for layer in self.slots]
+        return [b"".join(parts) for parts in zip(*per_layer)]
+
+    def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Make blocks hold what `export_blocks` returned; ValueError when a payload does not fit this pool."""
+        if not block_ids:
+            return
+        segments: list[list[memoryview]] = [[] for _ in self.slots]
+        for payload in payloads:
+            view, pos = memoryview(payload), 0
+            for layer, out in zip(self.slots, segments):
+                if pos >= len(view):
+                    raise ValueError("KV block payload ends before its last layer")
+                size = layer.payload_bytes(view[pos])
+                out.append(view[pos:pos + size])
+                pos += size
+            if pos != len(view):
+                raise ValueError(f"KV block payload has {len(view)} bytes, this pool's layers read {pos}")
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.slots[0].tensors()[0].device)
+        for layer, segs in zip(self.slots, segments):
+            layer.import_blocks(ids, segs)
+
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.slots for t in layer.tensors())

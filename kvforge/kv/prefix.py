@@ -14,7 +14,7 @@ last reference is the tree's, so every dropped block really becomes free (see `r
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -62,6 +62,7 @@ class PrefixTree:
         self._clock = 0
         self.cached_blocks = 0
         self.reclaimed_blocks = 0
+        self.on_reclaim: Callable[[RadixNode], None] | None = None  # sees a leaf's blocks before they are freed
 
     # ---- lookup -------------------------------------------------------------------------------
 
@@ -207,11 +208,21 @@ class PrefixTree:
                 self._split(node, k)
             parent = node.parent
             assert parent is not None
+            if self.on_reclaim is not None:
+                self.on_reclaim(node)
             freed += self._remove_leaf(node)
             if k == 0 and parent in self._leaves and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self.reclaimed_blocks += freed
         return freed
+
+    def path(self, node: RadixNode) -> tuple[str | None, list[int]]:
+        """The salt of `node`'s subtree and every token from its salt root down to the end of `node`."""
+        parts, n = [], node
+        while n.parent is not None and n.parent is not self.root:
+            parts.append(n.tokens)
+            n = n.parent
+        return n.salt, [t for p in reversed(parts) for t in p]
 
     def _remove_leaf(self, node: RadixNode) -> int:
         parent = node.parent

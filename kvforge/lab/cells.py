@@ -34,9 +34,12 @@ def quality_label(dtype: str, policy: str | None, budget: float | None) -> str:
     return dtype + (f"+{policy}:{budget}" if policy else "")
 
 
-def quality_cell(tokens: int, spec: str, policy: str | None = None, budget: int | None = None) -> Cell:
-    return Cell("quality", quality_label(spec, policy, budget),
-                {"format": spec, "policy": policy, "budget": budget, "tokens": tokens})
+def quality_cell(tokens: int, spec: str, policy: str | None = None, budget: int | None = None,
+                 text: str | None = None) -> Cell:
+    """text: a panel text this cell scores instead of the run's text (kvforge lab --panel)."""
+    label = quality_label(spec, policy, budget)
+    params = {"format": spec, "policy": policy, "budget": budget, "tokens": tokens, **({"text": text} if text else {})}
+    return Cell("quality", f"{label} @ {text}" if text else label, params)
 
 
 def cost(cell: Cell) -> float:

@@ -12,12 +12,7 @@ BASELINE = "fp32"
 
 def plan(options: LabOptions, s: Settings, has_chat_template: bool = True) -> list[Cell]:
     """Cells in the order they run: cheap, most-wanted figures first, so an interrupted run still says most."""
-    n = s.tokens
-    cells = [quality_cell(n, BASELINE)]
-    cells += [quality_cell(n, spec) for spec in options.formats]
-    cells += [quality_cell(n, BASELINE, policy, b) for policy in options.policies for b in s.budgets]
-    cells += [quality_cell(n, spec, policy, b) for spec in s.combo_formats for policy in options.policies
-              for b in s.combo_budgets]
+    cells = quality_cells(options, s)
     cells += [Cell("speed", spec, {"format": spec, **s.speed}) for spec in options.formats]
     cells += [Cell("passkey", f"passkey {n} tokens", {"length": n, **{k: v for k, v in s.passkey.items() if k != "lengths"}})
               for n in s.passkey["lengths"]]
@@ -31,6 +26,21 @@ def plan(options: LabOptions, s: Settings, has_chat_template: bool = True) -> li
     cells.append(Cell("speculative", "ngram drafting", dict(s.speculative), no_chat))
     cells += [Cell(kind, label, {}, SKIPPED[kind]()) for kind, label in HOOKS.items()]
     return cells
+
+
+def quality_cells(options: LabOptions, s: Settings) -> list[Cell]:
+    """The fp32 baseline, each format, each policy x budget and the combinations; with --panel, on every panel text."""
+    from kvforge.eval.texts import PANEL
+
+    n = s.tokens
+    out = []
+    for text in (list(PANEL) if options.panel else [None]):
+        out += [quality_cell(n, BASELINE, text=text)]
+        out += [quality_cell(n, spec, text=text) for spec in options.formats]
+        out += [quality_cell(n, BASELINE, policy, b, text) for policy in options.policies for b in s.budgets]
+        out += [quality_cell(n, spec, policy, b, text) for spec in s.combo_formats for policy in options.policies
+                for b in s.combo_budgets]
+    return out
 
 
 def advise_candidates(options: LabOptions, s: Settings) -> list[str]:

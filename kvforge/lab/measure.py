@@ -44,14 +44,18 @@ def _command(ctx: LabContext, *words: str | float) -> str:
 def measure_quality(ctx: LabContext, p: dict) -> dict:
     """Decode-faithful perplexity of one format (+ policy) on the quality text, as `kvforge eval ppl` scores it."""
     from kvforge.eval.ppl import engine_for, perplexity
+    from kvforge.eval.texts import load_text
     from kvforge.kv.memory import bytes_per_token
 
-    engine = engine_for(ctx.loaded, len(ctx.ids), **engine_options(p["format"], p["policy"], p["budget"]))
-    r = perplexity(engine, ctx.ids)
+    ids, text_args = ctx.ids, ctx.text_args
+    if p.get("text"):
+        ids, text_args = ctx.loaded.tokenizer.encode(load_text(p["text"]))[: p["tokens"]], ["--text", p["text"]]
+    engine = engine_for(ctx.loaded, len(ids), **engine_options(p["format"], p["policy"], p["budget"]))
+    r = perplexity(engine, ids)
     policy = ["--kv-policy", p["policy"], "--budget", p["budget"]] if p["policy"] else []
     return {"ppl": r["ppl"], "peak_kv_bytes": r["peak_kv_bytes"], "tokens": r["tokens"],
             "kv_bytes_per_token": bytes_per_token(engine.spec, engine.format, engine.kv.block_size),
-            "command": _command(ctx, "eval", "ppl", *ctx.text_args, "--max-tokens", len(ctx.ids),
+            "command": _command(ctx, "eval", "ppl", *text_args, "--max-tokens", len(ids),
                                 *_format_flags(p["format"]), *policy, "--agreement-prompts", 0, "--json")}
 
 

@@ -29,6 +29,7 @@ class LabOptions:
     budgets: list[int] | None = None  # KV tokens kept (default: 1/8, 1/4, 1/2 of tokens)
     priority: str = "balanced"  # for the advisor's ranking
     progress: bool = True
+    panel: bool = False  # quality cells score every text of kvforge.eval.texts.PANEL (worst and mean reported)
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -77,9 +77,13 @@ def recommendation_lines(res: dict) -> list[str]:
 
 
 def _quality_table(res: dict) -> str:
+    panel = any("worst_text" in r for r in res["quality"])
     rows = [[r["label"], f"{r['kv_bytes_per_token']:.0f}", f"{r['kv_bytes_held_per_token']:.0f}", f"{r['ppl']:.4f}",
-             f"{r.get('delta_pct', float('nan')):+.3f}", "yes" if r.get("pareto") else ""] for r in res["quality"]]
-    return _table(["configuration", "format B/token", "KV held B/token", "ppl", "delta %", "Pareto"], rows)
+             f"{r.get('delta_pct', float('nan')):+.3f}",
+             *([f"{r['mean_delta_pct']:+.3f}", r["worst_text"]] if panel else []),
+             "yes" if r.get("pareto") else ""] for r in res["quality"]]
+    worst = ["delta % (worst text)", "mean delta %", "worst text"] if panel else ["delta %"]
+    return _table(["configuration", "format B/token", "KV held B/token", "ppl", *worst, "Pareto"], rows)
 
 
 def _speed_table(res: dict) -> str:

@@ -13,8 +13,26 @@ def pareto(points: list[tuple[float, float]]) -> list[bool]:
 
 
 def quality_rows(records: dict) -> tuple[dict | None, list[dict]]:
-    """The fp32 full-cache baseline and one row per format/policy cell, deltas against the baseline."""
-    cells = {c.label: (c, r["result"]) for c, r in records.items() if c.kind == "quality"}
+    """The fp32 full-cache baseline and one row per format/policy cell, deltas against the baseline.
+
+    Panel cells (one per text) fold into one row per configuration: delta_pct is the worst text's,
+    with mean_delta_pct, worst_text and every text's delta beside it."""
+    texts: dict[str | None, dict[str, tuple]] = {}
+    for c, r in records.items():
+        if c.kind == "quality":
+            texts.setdefault(c.params.get("text"), {})[c.label.split(" @ ")[0]] = (c, r["result"])
+    per_text = {t: _text_rows(cells) for t, cells in texts.items()}
+    if list(per_text) in ([], [None]):
+        base, rows = per_text.get(None, (None, []))
+    else:
+        base, rows = _fold(per_text)
+    if base:
+        for row, front in zip(rows, pareto([(r["kv_bytes_held_per_token"], r["delta_pct"]) for r in rows])):
+            row["pareto"] = front
+    return base, rows
+
+
+def _text_rows(cells: dict[str, tuple]) -> tuple[dict | None, list[dict]]:
     base = cells.get(BASELINE, (None, None))[1]
     rows = []
     for label, (cell, r) in cells.items():
@@ -25,10 +43,24 @@ def quality_rows(records: dict) -> tuple[dict | None, list[dict]]:
             row["delta_pct"] = 100.0 * (r["ppl"] - base["ppl"]) / base["ppl"]  # as kvforge eval ppl computes it
             row["kv_fraction"] = r["peak_kv_bytes"] / base["peak_kv_bytes"]
         rows.append(row)
-    if base:
-        for row, front in zip(rows, pareto([(r["kv_bytes_held_per_token"], r["delta_pct"]) for r in rows])):
-            row["pareto"] = front
     return base, rows
+
+
+def _fold(per_text: dict[str, tuple]) -> tuple[dict | None, list[dict]]:
+    """One row per label over the texts whose baseline has run: the worst text's figures, plus the mean."""
+    scored = {t: {r["label"]: r for r in rows} for t, (base, rows) in per_text.items() if base}
+    if not scored:
+        return None, []
+    labels = list(dict.fromkeys(label for rows in scored.values() for label in rows))
+    out = []
+    for label in labels:
+        have = {t: rows[label] for t, rows in scored.items() if label in rows}
+        worst = max(have, key=lambda t: have[t]["delta_pct"])
+        deltas = {t: r["delta_pct"] for t, r in have.items()}
+        out.append({**have[worst], "worst_text": worst, "deltas": deltas,
+                    "mean_delta_pct": sum(deltas.values()) / len(deltas),
+                    "kv_bytes_held_per_token": max(r["kv_bytes_held_per_token"] for r in have.values())})
+    return {"texts": {t: per_text[t][0] for t in scored}, **per_text[next(iter(scored))][0]}, out
 
 
 def passkey_grid(records: dict) -> dict | None:

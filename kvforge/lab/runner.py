@@ -36,14 +36,13 @@ def kvforge_version() -> str:
 
 def resolve_text(text: str) -> tuple[str, str, list[str]]:
     """(text, name, flags a single command takes): a named text, else a file path."""
-    from kvforge.eval.texts import PLAYS, load_text
+    from kvforge.eval.texts import is_named, load_text, text_names
 
-    named = all(p in PLAYS or os.path.exists(f"/usr/share/common-licenses/{p.upper()}") for p in text.split("+"))
-    if named and not os.path.isfile(text):
+    if is_named(text) and not os.path.isfile(text):
         return load_text(text), text, ["--text", text]
     if not os.path.isfile(text):
         raise ConfigError(f"--text {text!r} is neither a readable file nor a named text "
-                          f"({', '.join(PLAYS)}, gpl-3, apache-2.0, or several joined with '+')")
+                          f"({', '.join(text_names())}, or several joined with '+')")
     return load_text(path=text), text, ["--text-file", os.path.abspath(text)]
 
 

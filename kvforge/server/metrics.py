@@ -19,6 +19,10 @@ ENGINE_GAUGES = [
     ("prefix_queried_tokens", "kvforge_prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache"),
     ("prefix_hit_tokens", "kvforge_prefix_cache_hits_total", "counter", "prompt tokens served from the prefix cache"),
     ("preemptions", "kvforge_preemptions_total", "counter", "requests preempted for lack of KV blocks"),
+    ("tier_hit_tokens", "kvforge_kv_tier_prefix_hits_total", "counter", "prompt tokens loaded from KV tiers"),
+    ("swapped_out_blocks", "kvforge_swapped_out_blocks_total", "counter", "KV blocks swapped out by preemption"),
+    ("swapped_in_blocks", "kvforge_swapped_in_blocks_total", "counter", "KV blocks swapped back in"),
+    ("loading", "kvforge_requests_loading", "gauge", "requests waiting for KV blocks from tiers"),
     ("running", "kvforge_requests_running", "gauge", "requests being decoded or prefilled"),
     ("waiting", "kvforge_requests_waiting", "gauge", "requests waiting to be scheduled"),
     ("outputs_held", "kvforge_stream_outputs_held", "gauge",
@@ -94,6 +98,7 @@ class ServerMetrics:
             name = "kvforge_spec_decode_acceptance_rate_per_position"
             lines += [f"# HELP {name} share of drafted tokens accepted at each draft position", f"# TYPE {name} gauge"]
             lines += [f'{name}{{position="{i}"}} {r}' for i, r in enumerate(stats["spec_acceptance_per_position"])]
+        lines += tier_lines(stats)
         with self._lock:
             lines += ["# HELP kvforge_requests_finished_total requests finished, by reason",
                       "# TYPE kvforge_requests_finished_total counter"]
@@ -105,3 +110,15 @@ class ServerMetrics:
             for h in (self.ttft, self.itl, self.e2e):
                 lines += h.render()
         return "\n".join(lines) + "\n"
+
+
+def tier_lines(stats: dict) -> list[str]:
+    """Per-tier statistics (engine.stats() keys tier_<name>_<stat>) as gauges labelled by tier."""
+    lines: list[str] = []
+    names = stats.get("kv_tiers") or []
+    stat_names = sorted({k[len(f"tier_{n}_"):] for n in names for k in stats if k.startswith(f"tier_{n}_")})
+    for stat in stat_names:
+        metric = f"kvforge_kv_tier_{stat}"
+        lines += [f"# HELP {metric} KV tier {stat.replace('_', ' ')}", f"# TYPE {metric} gauge"]
+        lines += [f'{metric}{{tier="{n}"}} {float(stats[f"tier_{n}_{stat}"])}' for n in names if f"tier_{n}_{stat}" in stats]
+    return lines

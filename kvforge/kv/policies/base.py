@@ -19,6 +19,7 @@ class PolicyState:
     """Per-sequence statistics, indexed by cache index along the last axis."""
 
     scores: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # queries that could attend to each (h2o mean)
     history: torch.Tensor | None = None  # [rows, cache_len] per-query importance (scissorhands)
     pending: bool = False  # snapkv: votes are in, the prompt is compressed at the next keep()
     selected: bool = False  # snapkv: the prompt was compressed
@@ -26,12 +27,15 @@ class PolicyState:
     def grow(self, length: int) -> None:
         if self.scores.shape[0] < length:
             self.scores = torch.cat([self.scores, self.scores.new_zeros(length - self.scores.shape[0])])
+        if self.seen.shape[0] < length:
+            self.seen = torch.cat([self.seen, self.seen.new_zeros(length - self.seen.shape[0])])
         if self.history is not None and self.history.shape[1] < length:
             pad = self.history.new_zeros(self.history.shape[0], length - self.history.shape[1])
             self.history = torch.cat([self.history, pad], dim=1)
 
     def compact(self, keep: torch.Tensor) -> None:
         self.scores = self.scores[keep]
+        self.seen = self.seen[keep] if self.seen.shape[0] else self.seen
         if self.history is not None:
             self.history = self.history[:, keep]
 
@@ -124,13 +128,16 @@ def recent(length: int, n: int) -> torch.Tensor:
     return torch.arange(max(0, length - n), length)
 
 
-def top_with_recent(scores: torch.Tensor, budget: int, num_recent: int) -> torch.Tensor:
-    """The num_recent last indices plus the highest-scoring others, budget in all, sorted."""
+def top_with_recent(scores: torch.Tensor, budget: int, num_recent: int, sinks: int = 0) -> torch.Tensor:
+    """The num_recent last indices, the first `sinks`, and the highest-scoring others, budget in all, sorted."""
     length = scores.shape[0]
     if budget >= length:
         return torch.arange(length)
     num_recent = min(num_recent, budget)
     older = length - num_recent
+    if sinks:
+        scores = scores.clone()
+        scores[: min(sinks, older)] = float("inf")
     heavy = torch.topk(scores[:older], budget - num_recent).indices if budget > num_recent else scores.new_zeros(0).long()
     return torch.sort(torch.cat([heavy, recent(length, num_recent)])).values
 

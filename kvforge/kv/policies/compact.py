@@ -15,36 +15,44 @@ def rerotate(k: torch.Tensor, shift: torch.Tensor, rotary) -> torch.Tensor:
     return apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
 
 
+def _slots(table: torch.Tensor, idx: torch.Tensor, bs: int) -> torch.Tensor:
+    """Flat slot ids of cache indices idx under a block table."""
+    idx = idx.to(table.device)
+    return table[idx // bs] * bs + idx % bs
+
+
 def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
     """Keep cache indices `keep` (sorted) of seq, in order, at indices 0..len(keep)-1; returns tokens dropped.
 
-    Rows through the format's own gather/write (decode, re-encode), so every KV format works. Rows that
-    do not move are not touched. With `rotary`, moved keys are re-rotated to their new index.
-    Blocks past the kept rows go back to the allocator, so the bytes in use really drop.
+    Rows move through the format's own `move`, which keeps their stored codes and parameters where it can
+    (see QuantLayerKV.move), so a quantized row is not rounded a second time. Rows that do not move are not
+    touched. With `rotary` (policies whose attention sees cache-index distances) new tokens are rotated at
+    their logical position, which is their cache index plus the tokens dropped so far; a kept key then needs
+    turning only when its index changes by other than the tokens dropped now: for StreamingLLM only its sinks
+    (by +dropped), while the recent rows move as they are. Blocks past the kept rows go back to the allocator.
     """
     length, bs = kv.cache_len(seq), kv.block_size
     m = int(keep.shape[0])
     if m >= length:
         return 0
     keep = keep.long().cpu()
-    moved = (keep != torch.arange(m)).nonzero()
-    if len(moved):
-        first = int(moved[0])
+    index = torch.arange(m)
+    moved = keep != index
+    shift = index - keep + (length - m)
+    turned = shift != 0 if rotary is not None else torch.zeros(m, dtype=torch.bool)
+    if bool(moved.any()) or bool(turned.any()):
         device = kv.pool.slots[0].tensors()[0].device
-        g0 = int(keep[first]) // bs
-        src = (keep[first:] - g0 * bs).to(device)
-        dst_pos = torch.arange(first, m)
-        shift = dst_pos - keep[first:]
         for group in kv.full_groups:  # sliding-window groups bound themselves
             table = torch.tensor(kv.block_table(seq, group)[: blocks_for_tokens(length, bs)], dtype=torch.long,
                                  device=device)
-            dst = (table[(dst_pos // bs).to(device)] * bs + (dst_pos % bs).to(device))
+
             for layer in kv.pool.slots:
-                k, v = layer.gather(table[g0:])
-                k, v = k[src], (v[src] if v is not None else None)
-                if rotary is not None:
-                    k = rerotate(k, shift, rotary)
-                layer.write(dst, k, v)
+                if bool(moved.any()):
+                    layer.move(_slots(table, keep[moved], bs), _slots(table, index[moved], bs), bs)
+                if bool(turned.any()):
+                    at = _slots(table, index[turned], bs)
+                    k, v = layer.read_rows(at, bs)
+                    layer.rewrite(at, rerotate(k, shift[turned], rotary), v)
     kv.truncate(seq, m)
     kv.record_evicted(seq, length - m)
     return length - m

@@ -31,9 +31,10 @@ class Evictor:
         return limit
 
     def positions(self, seq, num_new: int) -> range:
-        """RoPE positions of the new tokens: cache indices (streaming) or logical positions."""
-        base = self.kv.cache_len(seq) if self.policy.rope_by_cache_index else seq.num_computed_tokens
-        return range(base, base + num_new)
+        """RoPE positions of the new tokens: their logical positions. For policies that see cache-index
+        distances (streaming) that is cache index + tokens dropped, and compaction turns the keys whose
+        distance changes (see compact)."""
+        return range(seq.num_computed_tokens, seq.num_computed_tokens + num_new)
 
     def stats_request(self, seqs, num_new: list[int]) -> AttentionStats | None:
         """What attention this step must record: how many trailing query rows of each sequence."""

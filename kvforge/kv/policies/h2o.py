@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.errors import ConfigError
 from kvforge.kv.policies.base import KVPolicy, PolicyState, top_with_recent
 
 
@@ -16,20 +17,37 @@ class H2OPolicy(KVPolicy):
 
     recent: a token count, or a fraction of the budget. The paper splits evenly (0.5); on SmolLM2-135M a
         larger recent share measured better (8k tokens, budget 0.5: +3.31% at 0.5, +2.53% at 0.75), so 0.75.
+    sinks: the first tokens of the sequence, always kept (StreamingLLM's attention sinks; default 0).
+    score: "sum" (the paper: attention accumulated over every later query) or "mean" (that sum over the
+        number of queries that could attend to the token, so old tokens are not favoured for their age).
     Scores are summed over layers and heads (one kept set per sequence). Keys keep logical positions.
     """
 
     name = "h2o"
     needs_attention = True
     recent: int | float = 0.75
+    sinks: int = 0
+    score: str = "sum"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.score not in ("sum", "mean"):
+            raise ConfigError(f"h2o: score must be 'sum' or 'mean', got {self.score!r}")
 
     def num_recent(self, budget: int) -> int:
         return int(self.recent * budget) if isinstance(self.recent, float) else min(self.recent, budget)
 
     def observe(self, state: PolicyState, attn: torch.Tensor) -> None:
-        state.grow(attn.shape[1])
-        state.scores[: attn.shape[1]] += attn.sum(0)
+        rows, length = attn.shape
+        state.grow(length)
+        state.scores[:length] += attn.sum(0)
+        if self.score == "mean":
+            queries = torch.arange(length - rows, length)
+            state.seen[:length] += (torch.arange(length)[None, :] <= queries[:, None]).sum(0)
 
     def select(self, length: int, budget: int, state: PolicyState) -> torch.Tensor:
         state.grow(length)
-        return top_with_recent(state.scores[:length], budget, self.num_recent(budget))
+        scores = state.scores[:length]
+        if self.score == "mean":
+            scores = scores / state.seen[:length].clamp_min(1)
+        return top_with_recent(scores, budget, self.num_recent(budget), self.sinks)

@@ -16,13 +16,15 @@ class ScissorhandsPolicy(KVPolicy):
     A token is important to a query when it gets more than the uniform share (1 / keys visible) of that
     query's attention. Over the last `history` queries each token counts how often it was important;
     compaction keeps the `recent` newest tokens and the most persistently important others.
-    recent: a token count or a fraction of the budget (default 0.25). Layer- and head-summed attention.
+    recent: a token count or a fraction of the budget (default 0.25). sinks: the first tokens, always kept
+    (default 0). Layer- and head-summed attention.
     """
 
     name = "scissorhands"
     needs_attention = True
     history: int = 256
     recent: int | float = 0.25
+    sinks: int = 0
 
     def observe(self, state: PolicyState, attn: torch.Tensor) -> None:
         rows, length = attn.shape
@@ -38,4 +40,4 @@ class ScissorhandsPolicy(KVPolicy):
         counts = state.history.sum(0)[:length] if state.history is not None else torch.zeros(length)
         counts = counts + torch.arange(length) / (2.0 * length)  # ties go to the newer token
         recent = int(self.recent * budget) if isinstance(self.recent, float) else min(self.recent, budget)
-        return top_with_recent(counts, budget, recent)
+        return top_with_recent(counts, budget, recent, self.sinks)

@@ -14,10 +14,11 @@ class StreamingPolicy(KVPolicy):
     """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024,
     arXiv:2309.17453): keep the first `sinks` tokens forever and the `budget - sinks` most recent.
 
-    Positions are cache indices, as in the paper: queries and new keys are rotated by their index in
-    the cache, and on compaction every kept key is re-rotated by (new index - old index), which RoPE
-    allows because rotations compose. The cache is bounded, so a sequence may run far past the
-    model's context length. budget must be a token count.
+    Attention sees cache-index distances, as in the paper. New tokens are rotated at their logical
+    position (cache index + tokens dropped so far); on compaction the recent rows shift by exactly the
+    tokens dropped, so their distances hold and they move as stored (no re-encoding of quantized rows),
+    while the sinks are re-rotated by +dropped (RoPE rotations compose). The cache is bounded, so a
+    sequence may run far past the model's context length. budget must be a token count.
     """
 
     name = "streaming"

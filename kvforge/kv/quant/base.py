@@ -74,10 +74,21 @@ class QuantFormat(KVFormat):
             raise ConfigError(f"{self.name}: sinks={self.sinks} must be smaller than block_size={block_size}")
 
 
+@dataclass
 class ScaledFormat(QuantFormat):
-    """Keys and values as `code_dtype` codes with one scale per token and head (int8, fp8)."""
+    """Keys and values as `code_dtype` codes with one scale per token and head (int8, fp8).
+
+    sinks: first positions of each sequence kept fp16 as well (default 0); window: most recent tokens
+    per sequence kept fp16 (default 0, rounded up to whole blocks).
+    """
 
     code_dtype: ClassVar[torch.dtype]
+    sinks: int = 0
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        check_int(self.name, "sinks", self.sinks, 0)
+        check_int(self.name, "window", self.window, 0)
 
     def codecs(self, spec: KVCacheSpec) -> tuple[Codec, Codec | None]:
         return ScaledCodec(self.code_dtype), ScaledCodec(self.code_dtype) if spec.has_values else None

@@ -13,15 +13,16 @@ from __future__ import annotations
 import torch
 
 from kvforge.kv.layer_format import LayerKV, RawKV
+from kvforge.kv.quant.block_io import QuantBlockIO
 from kvforge.kv.quant.codec import Codec
-from kvforge.kv.quant.sidetable import SideTable
+from kvforge.kv.quant.sidetable import Claim, SideTable
 from kvforge.kv.spec import KVCacheSpec
 
 EXACT_DTYPE = torch.float16
 PARTIAL_BIAS = 1 << 48
 
 
-class QuantLayerKV(LayerKV):
+class QuantLayerKV(QuantBlockIO, LayerKV):
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, codecs: tuple[Codec, Codec | None],
                  stage_entries: int, sinks: int, sink_entries: int, device: torch.device):
         self.bs, self.sinks = block_size, sinks
@@ -68,11 +69,7 @@ class QuantLayerKV(LayerKV):
             return
         if self.stage is not None:
             self.stage.release(new)
-            claim = self.stage.claim(new, (~self.stage_full).long() * PARTIAL_BIAS)
-            self._flush(claim.victim_blocks, claim.victim_entries)
-            self.stage_full[claim.entries] = False
-            for s in self.stage_rows:
-                s[claim.entries] = 0
+            self._claim_stage(new)
             e = self.stage.lookup(blocks)
             staged = e >= 0
             for s, x in zip(self.stage_rows, rows):
@@ -82,6 +79,15 @@ class QuantLayerKV(LayerKV):
             blocks, offs, rows = blocks[rest], offs[rest], [x[rest] for x in rows]
         if len(blocks):
             self._merge(blocks, offs, rows, new)
+
+    def _claim_stage(self, blocks: torch.Tensor) -> Claim:
+        """Give blocks empty staging entries (full blocks first, then partial ones are flushed to make room)."""
+        claim = self.stage.claim(blocks, (~self.stage_full).long() * PARTIAL_BIAS)
+        self._flush(claim.victim_blocks, claim.victim_entries)
+        self.stage_full[claim.entries] = False
+        for s in self.stage_rows:
+            s[claim.entries] = 0
+        return claim
 
     def _merge(self, blocks: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor], new: torch.Tensor) -> None:
         """Rows into blocks that live only as codes: decode, insert, re-encode (new blocks start at zero)."""
@@ -130,6 +136,85 @@ class QuantLayerKV(LayerKV):
             e = int(self.stage.lookup(torch.tensor([block], device=self.stage_full.device))[0])
             if e >= 0:
                 self.stage_full[e] = False
+
+    # ---- compaction ---------------------------------------------------------------------------
+    def move(self, src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
+        """Rows keep their codes and parameters: per-token parts move slot by slot; a destination block
+        filled from one source block at the same offsets takes that block's parts whole (per-channel too).
+        Only per-channel parts of other destination blocks are encoded again (once); rows landing in a
+        staged (fp16 window) block are held there as the fp16 of their decoded values."""
+        src, dst = src.long(), dst.long()
+        k, v = self.read_rows(src, block_size)
+        if self.direct:
+            for ps in self.parts:
+                for p in ps:
+                    flat = p.view(-1, *p.shape[2:])
+                    flat[dst] = flat[src]
+            self._set_sink_rows(dst, [k, v])
+            return
+        codes = [[p.view(-1, *p.shape[2:])[src] for p in ps] if c.per_token else [] for c, ps in zip(self.codecs, self.parts)]
+        whole, dst_blocks, src_blocks, covered = self._whole_blocks(src, dst)
+        if len(dst_blocks):
+            if self.stage is not None:
+                self.stage.release(dst_blocks)
+            if self.sink is not None:
+                self.sink.release(dst_blocks[~covered])
+            for ps in self.parts:
+                for p in ps:
+                    p[dst_blocks] = p[src_blocks]
+        rest = ~whole
+        if bool(rest.any()):
+            self.write(dst[rest], k[rest], v[rest] if v is not None else None)
+            self._set_sink_rows(dst[rest], [k[rest], v[rest] if v is not None else None])
+            for ps, saved in zip(self.parts, codes):  # per-token codes as they were (staged rows hold fp16 copies)
+                for p, rows in zip(ps, saved):
+                    p.view(-1, *p.shape[2:])[dst[rest]] = rows[rest]
+
+    def _whole_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Destination blocks whose rows all come from one source block at the same offsets, apart from rows
+        their own sink entry covers and that stay: per row whether its block is one, those blocks, their
+        source blocks, and whether each keeps its sink entry."""
+        sb, db, offs = src // self.bs, dst // self.bs, dst % self.bs
+        n = int(db.max()) + 1
+        blank = torch.full((n,), -1, dtype=torch.long, device=db.device)
+        count = torch.bincount(db, minlength=n)
+        shifted = torch.bincount(db, weights=(src % self.bs != offs).float(), minlength=n) > 0
+        first = blank.scatter_reduce(0, db, sb, "amin", include_self=False)
+        last = blank.scatter_reduce(0, db, sb, "amax", include_self=False)
+        low = blank.scatter_reduce(0, db, offs, "amin", include_self=False)
+        source = first.clamp_min(0)
+        keeps_sinks = torch.zeros(n, dtype=torch.bool, device=db.device)
+        ok = ~shifted & (first == last) & (first >= 0)
+        if self.stage is not None:
+            ok &= self.stage.lookup(source) < 0
+        if self.sink is not None:
+            has = self.sink.lookup(torch.arange(n, device=db.device)) >= 0
+            keeps_sinks = has & (low >= self.sinks)
+            ok &= (self.sink.lookup(source) < 0) | keeps_sinks
+        ok &= count == self.bs - keeps_sinks.long() * self.sinks
+        blocks = ok.nonzero()[:, 0]
+        return ok[db], blocks, first[blocks], keeps_sinks[blocks]
+
+    def _set_sink_rows(self, slots: torch.Tensor, rows: list[torch.Tensor | None]) -> None:
+        """Rows written under a block's sink entry take its place there too (the entry overlays them)."""
+        if self.sink is None:
+            return
+        blocks, offs = slots // self.bs, slots % self.bs
+        e = self.sink.lookup(blocks)
+        hit = (e >= 0) & (offs < self.sinks)
+        for s, x in zip(self.sink_rows, rows):
+            s[e[hit], offs[hit]] = x[hit].to(EXACT_DTYPE)
+
+    def rewrite(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Rows under a sink entry change only there (their codes are overlaid); others are stored again."""
+        slots = slots.long()
+        rows = [k.float()] + ([v.float()] if self.shapes[1:] else [])
+        self._set_sink_rows(slots, rows)
+        if self.sink is not None:
+            covered = (self.sink.lookup(slots // self.bs) >= 0) & (slots % self.bs < self.sinks)
+            slots, rows = slots[~covered], [x[~covered] for x in rows]
+        if len(slots):
+            self._store(slots // self.bs, slots % self.bs, rows, slots[:0])
 
     # ---- read -------------------------------------------------------------------------------
     def gather(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

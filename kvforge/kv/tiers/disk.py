@@ -1,0 +1,142 @@
+"""DiskTier: one file per block in a directory, under a byte budget; survives restarts.
+
+Files are written to a temporary name and renamed into place, so a reader sees a whole entry or none.
+Each file is an entry (kvforge.kv.tiers.entry: header with key, format and checksum); a file that fails
+its checks on read (truncated, corrupted, another layout) is a miss and is removed. At start the tier
+indexes the files already there, oldest first, so a new engine finds what an earlier one stored.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import OrderedDict
+
+from kvforge.kv.tiers.base import Tier
+from kvforge.kv.tiers.entry import CorruptEntry, pack, unpack
+from kvforge.kv.tiers.keys import BlockKey
+
+SUFFIX = ".kvb"
+log = logging.getLogger("kvforge.kv.tiers")
+_tmp_ids = itertools.count()
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(self, directory: str, capacity_bytes: int, description: str, cold_reads: bool = False):
+        self.directory, self.capacity_bytes, self.description = directory, capacity_bytes, description
+        self.cold_reads = cold_reads  # drop each file from the page cache before reading it (benchmarks)
+        self.corrupt_files = 0
+        os.makedirs(directory, exist_ok=True)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()
+        found = []
+        for entry in os.scandir(directory):
+            if entry.name.endswith(SUFFIX) and entry.is_file():
+                st = entry.stat()
+                found.append((st.st_mtime_ns, entry.name[: -len(SUFFIX)], st.st_size))
+            elif entry.name.endswith(".tmp"):
+                _remove(entry.path)  # a write that never finished
+        for _, name, size in sorted(found):
+            self._index[name] = size
+        self._used = sum(self._index.values())
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name + SUFFIX)
+
+    def contains(self, keys):
+        with self._lock:
+            return [k.name in self._index for k in keys]
+
+    def get(self, keys):
+        return [self._get_one(k) for k in keys]
+
+    def _get_one(self, key: BlockKey) -> bytes | None:
+        path = self._path(key.name)
+        try:
+            with open(path, "rb") as f:
+                if self.cold_reads:
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                data = f.read()
+            payload = unpack(key, data, self.description)
+        except FileNotFoundError:
+            self._forget(key.name)
+            return None
+        except CorruptEntry as e:
+            log.warning("KV disk tier: %s; file removed", e)
+            self.corrupt_files += 1
+            self._forget(key.name)
+            _remove(path)
+            return None
+        with self._lock:
+            if key.name in self._index:
+                self._index.move_to_end(key.name)
+        return payload
+
+    def put(self, items):
+        pushed: list[tuple[BlockKey, bytes]] = []
+        for key, payload in items:
+            data = pack(key, payload, self.description)
+            if len(data) > self.capacity_bytes:
+                pushed.append((key, payload))
+                continue
+            path = self._path(key.name)
+            tmp = f"{path}.{os.getpid()}.{next(_tmp_ids)}.tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except OSError:
+                _remove(tmp)
+                raise
+            with self._lock:
+                self._used += len(data) - self._index.pop(key.name, 0)
+                self._index[key.name] = len(data)
+                victims = []
+                while self._used > self.capacity_bytes and len(self._index) > 1:
+                    name, size = self._index.popitem(last=False)
+                    self._used -= size
+                    victims.append(name)
+            pushed += self._take(victims)
+        return pushed
+
+    def _take(self, names: list[str]) -> list[tuple[BlockKey, bytes]]:
+        """Read and delete pushed-out files, for the next tier."""
+        out = []
+        for name in names:
+            group, _, digest = name.partition("-")
+            key = BlockKey(int(group), bytes.fromhex(digest))
+            path = self._path(name)
+            try:
+                with open(path, "rb") as f:
+                    out.append((key, unpack(key, f.read(), self.description)))
+            except (OSError, CorruptEntry):
+                pass
+            _remove(path)
+        return out
+
+    def discard(self, keys):
+        for k in keys:
+            with self._lock:
+                held = k.name in self._index
+            if held:
+                self._forget(k.name)
+                _remove(self._path(k.name))
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            size = self._index.pop(name, None)
+            if size is not None:
+                self._used -= size
+
+    def used_bytes(self):
+        return self._used
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,61 @@
+"""HostTier: block payloads in process memory under a byte budget, least recently used pushed out first."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from kvforge.kv.tiers.base import Tier
+from kvforge.kv.tiers.keys import BlockKey
+
+
+class HostTier(Tier):
+    name = "host"
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def contains(self, keys):
+        with self._lock:
+            return [k in self._entries for k in keys]
+
+    def get(self, keys):
+        with self._lock:
+            out = []
+            for k in keys:
+                v = self._entries.get(k)
+                if v is not None:
+                    self._entries.move_to_end(k)
+                out.append(v)
+            return out
+
+    def put(self, items):
+        pushed: list[tuple[BlockKey, bytes]] = []
+        with self._lock:
+            for key, payload in items:
+                if len(payload) > self.capacity_bytes:
+                    pushed.append((key, payload))
+                    continue
+                old = self._entries.pop(key, None)
+                self._used -= len(old) if old is not None else 0
+                self._entries[key] = payload
+                self._used += len(payload)
+                while self._used > self.capacity_bytes:
+                    k, v = self._entries.popitem(last=False)
+                    self._used -= len(v)
+                    pushed.append((k, v))
+        return pushed
+
+    def discard(self, keys):
+        with self._lock:
+            for k in keys:
+                v = self._entries.pop(k, None)
+                self._used -= len(v) if v is not None else 0
+
+    def used_bytes(self):
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._entries)

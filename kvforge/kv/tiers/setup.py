@@ -1,0 +1,26 @@
+"""Open an engine's tiers and hang them under its KV cache manager."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from kvforge.kv.layer_format import KVFormat
+from kvforge.kv.spec import KVCacheSpec
+from kvforge.kv.tiers.chain import TierChain
+from kvforge.kv.tiers.keys import KeySpace, format_options, weights_fingerprint
+from kvforge.kv.tiers.spec import build_tiers
+
+
+def layout_description(fmt: KVFormat, spec: KVCacheSpec, block_size: int) -> str:
+    """What a stored block's header names: format with options, block size and per-layer shapes."""
+    options = json.dumps(format_options(fmt), sort_keys=True)
+    return (f"{fmt.name} {options} block_size={block_size} layers={spec.num_layers} heads={spec.num_kv_heads} "
+            f"dims={spec.head_dim}/{spec.v_head_dim}")
+
+
+def attach_tiers(kv, tier_specs: list[str], model: torch.nn.Module, fmt: KVFormat, spec: KVCacheSpec) -> TierChain:
+    tiers = build_tiers(tier_specs, layout_description(fmt, spec, kv.block_size))
+    chain = TierChain(tiers, kv.block_size)
+    kv.attach_tiers(chain, KeySpace(weights_fingerprint(model), fmt, kv.block_size, spec))
+    return chain

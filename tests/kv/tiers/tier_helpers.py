@@ -1,0 +1,39 @@
+"""Shared by the tier tests: tiny engines with a small pool, documents asked twice, one request at a time."""
+from __future__ import annotations
+
+from kvforge.config import EngineConfig
+from kvforge.engine.engine import LLMEngine
+from kvforge.kv.formats import get_format
+from kvforge.kv.memory import pool_bytes
+from kvforge.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+BS = 8
+
+
+def docs(n: int = 4, length: int = 34, vocab: int = 90) -> list[list[int]]:
+    return [[(d * 31 + i * 7 + (i * i) % 11) % vocab + 3 for i in range(length)] for d in range(n)]
+
+
+def engine(loaded, blocks: int = 8, tiers=None, fmt: str = "fp32", opts=None, **kw) -> LLMEngine:
+    options = {"block_size": BS, "max_model_len": 64, "max_num_batched_tokens": 64, "kv_cache_dtype": fmt,
+               "kv_cache_options": opts, "kv_cache_memory": 1 << 22, **kw}
+    fmt_obj = get_format(fmt, **(opts or {}))
+    options["kv_cache_memory"] = pool_bytes(loaded.config.kv_cache_spec(), fmt_obj, BS, blocks, EngineConfig.max_num_seqs)
+    return LLMEngine(EngineConfig(kv_tiers=tiers, **options), loaded)
+
+
+def ask_each(e: LLMEngine, prompts: list[list[int]], salt: str | None = None) -> list:
+    """Run prompts one after another; returns the finished outputs in order."""
+    outs = []
+    for p in prompts:
+        rid = e.add_request(p, GREEDY, cache_salt=salt)
+        while e.has_unfinished_requests():
+            for o in e.step():
+                if o.finished and o.request_id == rid:
+                    outs.append(o)
+    return outs
+
+
+def twice(e: LLMEngine, n: int = 4) -> list:
+    return ask_each(e, docs(n) + docs(n))
