@@ -16,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="preset name, any decoder's config.json (or its directory), or .gguf file "
                         "(default smollm2-135m)")
-    p.add_argument("--model", dest="model_option", metavar="MODEL", help="the same, as an option")
+    p.add_argument("--model", dest="model_option", metavar="MODEL", help="the same, as an option (default: the positional MODEL, else smollm2-135m)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context length)")
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--kv-dtype", default="fp16", help="KV storage format (default fp16)")

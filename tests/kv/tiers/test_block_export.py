@@ -72,9 +72,9 @@ def test_payload_of_another_shape_is_refused():
 def test_quantized_payloads_stay_compressed():
     sizes = {}
     for name in ("fp32", "fp16", "int8", "int4"):
-        pool = KVPool(GQA, get_format(name, **({"group_size": 8} if name == "int4" else {})), 4, BS, torch.device("cpu"),
+        pool = KVPool(GQA, get_format(name, **({"group_size": 8, "window": 0} if name == "int4" else {})), 4, BS, torch.device("cpu"),
                       max_num_seqs=1)
         fill(pool, GQA, [0, 1, 2], torch.Generator().manual_seed(1))
-        sizes[name] = len(pool.export_blocks([1])[0])  # block 1: flushed from staging by block 2, holds no sinks
+        sizes[name] = len(pool.export_blocks([1])[0])  # block 1: flushed from staging by block 2 (no fp16 window), no sinks
     assert sizes["fp32"] - 2 == 2 * (sizes["fp16"] - 2)  # one flag byte per layer
     assert sizes["int8"] < 0.6 * sizes["fp16"] and sizes["int4"] < 0.45 * sizes["fp16"]
