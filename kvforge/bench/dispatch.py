@@ -1,11 +1,15 @@
 """Count the aten operators a piece of engine work dispatches (each one is a trip through torch's
 dispatcher and, on CPU, a small kernel launch): `count_ops(fn)` for any callable, `decode_step_ops`
-for one decode step of an engine (`python -m kvforge.bench.dispatch [--batch 1 8] [--context 128]`).
+for one decode step of an engine (`python -m kvforge.bench.dispatch [--batch 1 8] [--context 128]`), and the
+median CPU time of this thread per decode step (`--time-steps N`; the file also runs as a script against
+another checkout's kvforge on PYTHONPATH, for before/after comparisons in one run).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -36,7 +40,17 @@ def decode_step_ops(engine) -> Counter[str]:
     return count_ops(engine.step)
 
 
-def dispatch_report(batches: list[int], context: int, model: str | None = None) -> dict:
+def step_cpu_ms(engine, steps: int) -> float:
+    """Median CPU time of this thread (ms) per engine step, over `steps` steps."""
+    times = []
+    for _ in range(steps):
+        start = time.thread_time()
+        engine.step()
+        times.append(time.thread_time() - start)
+    return statistics.median(times) * 1e3
+
+
+def dispatch_report(batches: list[int], context: int, model: str | None = None, time_steps: int = 0) -> dict:
     from kvforge.bench.kv_formats import decode_engine
     from kvforge.models.loader import load_model
 
@@ -44,11 +58,13 @@ def dispatch_report(batches: list[int], context: int, model: str | None = None) 
     layers = loaded.config.num_layers
     rows = {}
     for batch in batches:
-        engine = decode_engine(loaded, "fp32", context - 1, batch, 8, 16)
+        engine = decode_engine(loaded, "fp32", context - 1, batch, 8 + time_steps, 16)
         ops = decode_step_ops(engine)
         total = sum(ops.values())
         rows[f"b{batch}"] = {"ops_per_step": total, "ops_per_layer": total / layers,
                              "top": dict(ops.most_common(12))}
+        if time_steps:
+            rows[f"b{batch}"]["cpu_ms_per_step"] = step_cpu_ms(engine, time_steps)
     return {"context": context, "layers": layers, "steps": rows}
 
 
@@ -57,8 +73,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--model", default=None)
+    p.add_argument("--time-steps", type=int, default=0, help="also time this many decode steps (CPU ms, median)")
     a = p.parse_args()
-    print(json.dumps(dispatch_report(a.batch, a.context, a.model), indent=2))
+    print(json.dumps(dispatch_report(a.batch, a.context, a.model, a.time_steps), indent=2))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Build and load the compiled CPU operators (C++ through torch's extension tooling), once per process.
 
-The shared library is built on first use (or by `make install`) into
-`$XDG_CACHE_HOME/kvforge/ops/<key>` (default ~/.cache), keyed by the sources, torch, Python and the CPU's
-flags (it is built with -march=native). `KVFORGE_OPS=torch` skips it; without a compiler, or if the
+The shared library is built by `make install` (or on first use) into `kvforge/ops/_built/<key>` beside the
+sources when that is writable, else `$XDG_CACHE_HOME/kvforge/ops/<key>` (default ~/.cache); both are looked up,
+the package's first, so a process with another HOME still finds it. The key covers the sources, torch, Python
+and the CPU's flags (it is built with -march=native). `KVFORGE_OPS=torch` skips it; without a compiler, or if the
 build fails, the engine runs the torch path and says so once.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 log = logging.getLogger("kvforge.ops")
 CSRC = Path(__file__).parent / "csrc"
+PACKAGE_BUILDS = Path(__file__).parent / "_built"
 SOURCES = ("paged_decode.cpp", "tiles.cpp", "layers.cpp", "small_matmul.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 
@@ -31,6 +33,10 @@ def disabled() -> bool:
 def cache_dir() -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "kvforge" / "ops" / build_key()
+
+
+def package_dir() -> Path:
+    return PACKAGE_BUILDS / build_key()
 
 
 def build_key() -> str:
@@ -58,11 +64,14 @@ def load_compiled() -> bool:
         from torch.utils.cpp_extension import load
 
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # venv ninja
-        directory, name = cache_dir(), f"kvforge_ops_{build_key()}"
-        library = directory / f"{name}.so"
-        if library.exists() and not (directory / "lock").exists():  # built before, no build under way
-            torch.ops.load_library(str(library))
-            return True
+        name = f"kvforge_ops_{build_key()}"
+        for directory in (package_dir(), cache_dir()):
+            library = directory / f"{name}.so"
+            if library.exists() and not (directory / "lock").exists():  # built before, no build under way
+                torch.ops.load_library(str(library))
+                return True
+        writable = os.access(PACKAGE_BUILDS.parent, os.W_OK)
+        directory = package_dir() if writable else cache_dir()
         directory.mkdir(parents=True, exist_ok=True)
         load(name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
              extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

@@ -1,0 +1,29 @@
+"""The dispatch counter: exact counts of a known function, and a decode step's per-layer operators."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.bench.dispatch import count_ops, decode_step_ops
+from kvforge.bench.kv_formats import decode_engine
+from kvforge.ops.build import load_compiled
+
+
+def test_counts_each_operator_call():
+    x = torch.ones(3)
+    ops = count_ops(lambda: (x + 1) * 2 + x)
+    assert ops == {"aten.add": 2, "aten.mul": 1}
+
+
+def test_a_decode_step_runs_each_layer_as_a_few_fused_operators(tiny_loaded):
+    if not load_compiled():
+        pytest.skip("no compiled kvforge ops on this machine")
+    layers = tiny_loaded.config.num_layers
+    ops = decode_step_ops(decode_engine(tiny_loaded, "fp32", 20, 3, 8, 16))
+    assert ops["kvforge.rms_norm"] == 2 * layers + 1
+    assert ops["kvforge.rope_"] == 2 * layers
+    assert ops["kvforge.silu_mul"] == ops["kvforge.paged_decode"] == layers
+    assert ops["kvforge.small_linear"] == 4 * layers + 1  # qkv, o, gate_up, down per layer (3 rows), lm_head
+    assert ops["aten.cat"] == 1  # RoPE's cos/sin, once per step for every layer
+    assert "aten.pow" not in ops and "aten.neg" not in ops  # no torch RMSNorm or rotate_half left
+    assert ops["aten.index"] == 2  # per step, not per layer: the sampled rows of hidden states and of logits
