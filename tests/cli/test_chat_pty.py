@@ -7,16 +7,12 @@ import sys
 
 from pty_session import PtySession
 
-from kvforge.ops.build import cache_dir
-
-# a fresh HOME (for readline's history file) keeps the compiled operators built at set-up
-KEEP_BUILD_CACHE = {"XDG_CACHE_HOME": str(cache_dir().parents[2])}
 CHAT = [sys.executable, "-m", "kvforge.cli", "chat", "--temperature", "0", "--kv-memory", "128MiB",
         "--max-model-len", "2048", "--system", "You are helpful."]
 
 
 def test_chat_session_survives_ctrl_c_and_keeps_history(tmp_path):
-    env = {**os.environ, "HOME": str(tmp_path), "TERM": "xterm", "OMP_NUM_THREADS": "1", **KEEP_BUILD_CACHE}
+    env = {**os.environ, "HOME": str(tmp_path), "TERM": "xterm", "OMP_NUM_THREADS": "1"}
     s = PtySession(CHAT + ["--ignore-eos", "--max-tokens", "4000"], env)
     try:
         s.expect("you> ")
@@ -61,7 +57,7 @@ def test_chat_exit_command_and_piped_input(tmp_path):
     """Without a terminal, chat reads one message per line; empty lines are skipped and /exit quits."""
     import subprocess
 
-    env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", **KEEP_BUILD_CACHE}
+    env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     r = subprocess.run(CHAT + ["--max-tokens", "8"], input="\nWhat is 2+2?\n/frobnicate\n/exit\nnot read\n", text=True,
                        capture_output=True, env=env, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
