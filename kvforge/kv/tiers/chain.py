@@ -123,8 +123,8 @@ class TierChain:
         for tier in self.tiers:
             try:
                 tier.close()
-            except Exception:  # noqa: BLE001 - closing a broken connection must not fail shutdown
-                pass
+            except Exception as e:  # noqa: BLE001 - closing a broken connection must not fail shutdown
+                log.debug("closing KV tier %s: %s", tier.name, e)
 
     def _run(self) -> None:
         while True:

@@ -47,8 +47,13 @@ class DiskTier(Tier):
         return os.path.join(self.directory, name + SUFFIX)
 
     def contains(self, keys):
+        """A hit counts as a use (the file moves to the recent end of the index)."""
         with self._lock:
-            return [k.name in self._index for k in keys]
+            out = [k.name in self._index for k in keys]
+            for k, hit in zip(keys, out):
+                if hit:
+                    self._index.move_to_end(k.name)
+            return out
 
     def get(self, keys):
         return [self._get_one(k) for k in keys]

@@ -41,13 +41,15 @@ class TierHooks:
         """Start fetching the blocks after the pool's match of `matched` tokens that the tiers hold, in order."""
         keys = self.keys.chain(req.token_ids[:usable], req.cache_salt)[matched // self.block_size:]
         where = self.tiers.leading_run(keys) if keys else []
-        if where and not self.allocator.can_allocate(len(where)):
-            self._reclaim(len(where) - self.allocator.num_free)
-        where = where[:self.allocator.num_free]
         if not where:
             return
-        ids = self.allocator.allocate(len(where))
-        self._state(req).load = PendingLoad(self.tiers.fetch(keys[:len(where)], where), ids, matched)
+        # fetch before reclaiming: the blocks reclaim stores must not push these out of their tier first
+        fetch = self.tiers.fetch(keys[:len(where)], where)
+        if not self.allocator.can_allocate(len(where)):
+            self._reclaim(len(where) - self.allocator.num_free)
+        n = min(len(where), self.allocator.num_free)
+        if n:
+            self._state(req).load = PendingLoad(fetch, self.allocator.allocate(n), matched)
 
     def is_loading(self, req) -> bool:
         state = self.requests.get(req.request_id)
@@ -69,7 +71,7 @@ class TierHooks:
         if not load.future.done():
             return False
         state.load = None
-        payloads = load.future.result()
+        payloads = load.future.result()[:len(load.block_ids)]
         if load.swap is not None:
             self._finish_swap_in(state, load, payloads)
             return True

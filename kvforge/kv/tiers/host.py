@@ -18,8 +18,13 @@ class HostTier(Tier):
         self._lock = threading.Lock()
 
     def contains(self, keys):
+        """A hit counts as a use: the entry moves to the recent end, so a load that follows finds it still here."""
         with self._lock:
-            return [k in self._entries for k in keys]
+            out = [k in self._entries for k in keys]
+            for k, hit in zip(keys, out):
+                if hit:
+                    self._entries.move_to_end(k)
+            return out
 
     def get(self, keys):
         with self._lock:

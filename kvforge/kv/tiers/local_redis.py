@@ -58,7 +58,7 @@ class LocalRedis:
             self.process.kill()
             self.process.wait(timeout=10)
 
-    def __enter__(self) -> LocalRedis:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:

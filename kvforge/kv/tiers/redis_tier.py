@@ -39,8 +39,8 @@ class RedisTier(Tier):
     def __init__(self, url: str, description: str, timeout_s: float = TIMEOUT_S):
         try:
             import redis
-            from redis.retry import Retry
             from redis.backoff import NoBackoff
+            from redis.retry import Retry
         except ImportError:
             raise ConfigError("the Redis KV tier needs the redis package: pip install redis") from None
         host, port, db = parse_redis_url(url)

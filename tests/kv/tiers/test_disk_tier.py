@@ -3,6 +3,7 @@ blocks survive a restart (a new engine finds them); a full budget pushes the old
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from tier_helpers import ask_each, docs, engine, twice
 
@@ -32,9 +33,9 @@ def test_corrupt_truncated_and_foreign_files_are_misses_and_removed(tmp_path):
     tier = DiskTier(str(tmp_path), 1 << 20, DESC)
     tier.put([(key(i), bytes([i]) * 100) for i in range(3)])
     paths = [os.path.join(tmp_path, key(i).name + SUFFIX) for i in range(3)]
-    data = open(paths[0], "rb").read()
-    open(paths[0], "wb").write(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit
-    open(paths[1], "wb").write(data[:40])  # truncated
+    data = Path(paths[0]).read_bytes()
+    Path(paths[0]).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit
+    Path(paths[1]).write_bytes(data[:40])  # truncated
     assert tier.get([key(0), key(1), key(2)]) == [None, None, bytes([2]) * 100]
     assert not os.path.exists(paths[0]) and not os.path.exists(paths[1])
     assert tier.corrupt_files == 2 and tier.contains([key(0), key(1)]) == [False, False]
