@@ -9,15 +9,12 @@ from kvforge.engine.engine import LLMEngine
 from kvforge.kv.groups import NULL_BLOCK
 from kvforge.sampling_params import SamplingParams
 
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 60), st.integers(1, 20), st.integers(0, 3)),
-        st.tuples(st.just("step"), st.integers(1, 4)),
-        st.tuples(st.just("abort"), st.integers(0, 30)),
-    ),
-    min_size=1,
-    max_size=40,
+OPS = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 60), st.integers(1, 20), st.integers(0, 3)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
 )
+ops = st.lists(OPS, min_size=1, max_size=40)
 
 
 def check_accounting(engine: LLMEngine) -> None:
@@ -26,12 +23,16 @@ def check_accounting(engine: LLMEngine) -> None:
     alloc.check()
     assert alloc.num_used + alloc.num_free == alloc.num_blocks
     expected = [0] * alloc.num_blocks
-    live = {seq.request_id for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting)}
+    sched = engine.scheduler
+    live = {seq.request_id for seq in list(sched.running) + list(sched.waiting) + sched.loading}
     assert set(kv.requests) <= live, "KV state kept for a request that is gone"
+    assert set(kv.swapped) <= live, "swapped blocks kept for a request that is gone"
     for state in kv.requests.values():
-        for b in (b for table in state.block_tables for b in table if b != NULL_BLOCK):
+        loading = state.load.block_ids if state.load else []  # blocks reserved for a tier load in flight
+        for b in [b for table in state.block_tables for b in table if b != NULL_BLOCK] + loading:
             expected[b] += 1
     for tree in kv.prefix_trees:
+        tree.check()
         for b in (b for node in tree._postorder() for b in node.block_ids if b != NULL_BLOCK):
             expected[b] += 1
     assert expected == alloc.ref_counts
@@ -80,6 +81,8 @@ def run_program(engine: LLMEngine, program) -> None:
             for _ in range(op[1]):
                 engine.step()
                 check_accounting(engine)
+        elif op[0] == "reset":
+            engine.kv.reset_prefix_cache()
         elif ids:
             engine.abort(ids[op[1] % len(ids)])
         check_accounting(engine)
