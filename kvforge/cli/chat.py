@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
@@ -67,6 +68,13 @@ class Conversation:
         return head + "\n".join(f"  {c:<14} {h}" for c, h in COMMANDS.items())
 
 
+def _interrupt(signum, frame):
+    from kvforge.cli.signals import sigint_seen
+
+    sigint_seen()
+    raise KeyboardInterrupt
+
+
 def read_line(interactive: bool) -> str | None:
     """One line of input; None at end of input (Ctrl-D). Ctrl-C while typing gives an empty line."""
     if not interactive:
@@ -105,13 +113,16 @@ def _save_history(readline) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvforge import LLM
-    from kvforge.cli.signals import sigint_to_main_thread
+    from kvforge.cli.signals import sigint_to_main_thread, start_sigint_relay
     from kvforge.cli.streaming import stream_request
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     with sigint_to_main_thread():
         llm = LLM(**engine_kwargs(args))
+        if sys.stdin.isatty():
+            start_sigint_relay()
+            signal.signal(signal.SIGINT, _interrupt)
     tok = llm.get_tokenizer()
     if tok is None or not tok.chat_template:
         raise ConfigError("this model has no chat template; use kvforge generate --raw for plain completion")

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvforge.cli.signals import sigint_seen
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 from kvforge.server.responses import ChoiceText
@@ -25,6 +26,7 @@ def interrupt_flag():
     flag = [False]
 
     def handler(signum, frame):
+        sigint_seen()
         flag[0] = True
 
     try:
