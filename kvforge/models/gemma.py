@@ -16,7 +16,7 @@ from kvforge.attention import AttentionMetadata
 from kvforge.errors import ModelLoadError
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
-from kvforge.models.layers import RMSNorm, RotaryEmbedding
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from kvforge.models.llama import Attention
 
 
@@ -28,14 +28,8 @@ class GemmaRMSNorm(RMSNorm):
         return (x * torch.rsqrt(var + self.eps)) * (1.0 + self.weight)
 
 
-class GeluGatedMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x))."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+class GeluGatedMLP(GatedMLP):
+    """down(gelu_tanh(gate(x)) * up(x)): Llama's gated MLP with Gemma's activation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
