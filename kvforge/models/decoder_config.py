@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvforge.errors import ModelLoadError
-from kvforge.models.config import ModelConfig
+from kvforge.models.config import FULL, SLIDING, ModelConfig
+from kvforge.models.gemma_config import gemma_layer_types
 
-FULL, SLIDING = "full_attention", "sliding_attention"
 _ALIASES = {
     "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
     "num_attention_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
@@ -47,8 +47,9 @@ def _kv_heads(cfg: dict[str, Any], heads: int) -> int:
 
 
 def layer_types(cfg: dict[str, Any], layers: int, window: int | None) -> list[str] | None:
-    """Which layers keep only a sliding window: `layer_types`, Gemma 3's `sliding_window_pattern`, Gemma 2's
-    alternation, Qwen2's `max_window_layers`; None when every layer is alike."""
+    """Which layers keep only a sliding window: `layer_types`, else Gemma's interleave (`sliding_window_pattern`);
+    None when every layer is alike. (Architectures kvforge runs, Qwen2's `max_window_layers` included, are read
+    by hf_config.)"""
     if not window:
         return None
     listed = cfg.get("layer_types")
@@ -56,15 +57,11 @@ def layer_types(cfg: dict[str, Any], layers: int, window: int | None) -> list[st
         if len(listed) != layers:
             raise ModelLoadError(f"config.json layer_types has {len(listed)} entries for {layers} layers")
         return [SLIDING if "sliding" in str(t) or "local" in str(t) else FULL for t in listed]
-    kind = cfg.get("model_type")
-    pattern = cfg.get("sliding_window_pattern") or (6 if kind == "gemma3_text" or kind == "gemma3" else None)
-    if pattern:
-        return [FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(layers)]
-    if kind == "gemma2":
-        return [SLIDING if i % 2 == 0 else FULL for i in range(layers)]
-    if str(kind).startswith("qwen") and cfg.get("max_window_layers") is not None:
-        first = int(cfg["max_window_layers"])
-        return [SLIDING if i >= first else FULL for i in range(layers)]
+    kind = str(cfg.get("model_type"))
+    family = "gemma3" if kind.startswith("gemma3") else "gemma2" if kind == "gemma2" else None
+    pattern = cfg.get("sliding_window_pattern")
+    if pattern or family:
+        return gemma_layer_types(family or "gemma3", layers, pattern)
     return None
 
 
@@ -86,7 +83,7 @@ def decoder_config(raw: dict[str, Any]) -> ModelConfig:
     if experts:
         extra.update(n_routed_experts=int(experts),
                      moe_intermediate_size=int(cfg.get("moe_intermediate_size") or _get(cfg, "intermediate_size") or 0))
-    uses_window = cfg.get("use_sliding_window", not str(cfg.get("model_type")).startswith("qwen"))
+    uses_window = cfg.get("use_sliding_window", True)
     window = cfg.get("sliding_window") if uses_window else None
     window = int(window) if window else None
     types = layer_types(cfg, layers, window)
