@@ -14,6 +14,7 @@ import sys
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
 from kvforge.cli.sampling import add_sampling_options, sampling_params
+from kvforge.cli.signals import sigint_seen, sigint_to_main_thread, start_sigint_relay
 from kvforge.errors import ConfigError, KVForgeError
 
 COMMANDS = {
@@ -69,8 +70,6 @@ class Conversation:
 
 
 def _interrupt(signum, frame):
-    from kvforge.cli.signals import sigint_seen
-
     sigint_seen()
     raise KeyboardInterrupt
 
@@ -113,7 +112,6 @@ def _save_history(readline) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvforge import LLM
-    from kvforge.cli.signals import sigint_to_main_thread, start_sigint_relay
     from kvforge.cli.streaming import stream_request
 
     if args.max_tokens is not None and args.max_tokens < 1:
