@@ -27,7 +27,6 @@ from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.setup import attach_tiers
 from kvforge.models.loader import LoadedModel, load_model
-from kvforge.models.packed_linear import pack_linears
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -44,7 +43,6 @@ class LLMEngine:
         self._request_seeds = random.Random(config.seed)  # seed=None: fresh OS entropy every run
         self.loaded = loaded or load_model(config.model, self.device)
         self.model_config = cfg = self.loaded.config
-        pack_linears(self.loaded.model)  # CPU fp32: oneDNN with packed weights (a no-op elsewhere)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.spec = cfg.kv_cache_spec()
