@@ -123,3 +123,13 @@ def test_staged_formats_exercise_every_row_source(compiled):
     assert staged.any() and (~staged).any()
     assert 0 < int((raw.sink[0] >= 0).sum()) < len(LENS)  # sink entries for max_num_seqs=1: older ones went to codes
     assert raw.k.parts[4].numel() > 0  # outlier indices
+
+
+def test_kernel_bench_times_every_format_and_both_ops(compiled):
+    from kvforge.ops.bench_kernel import bench
+
+    result = bench(["fp32", "kivi2"], context=40, batch=2, queries=3, rounds=1)
+    assert set(result["formats"]) == {"fp32", "kivi2"}
+    for row in result["formats"].values():
+        assert row["decode_ms"] > 0 and row["attend_ms"] > 0 and row["row_per_query_ms"] > 0
+    assert result["formats"]["fp32"]["decode_slowdown_vs_fp32"] == 0
