@@ -84,6 +84,7 @@ template <int DK, int DV>
 void run_tasks(const Problem& p, int64_t begin, int64_t end) {
   const int64_t D = DK ? DK : p.D, Dv = DV ? DV : p.Dv, G = p.G, bs = p.bs, R = MAX_RUN * G;
   std::vector<float> kbuf((bs + 1) * D), vbuf((bs + 1) * Dv), qs(R * D), s(R * bs), m(R), l(R), acc(R * Dv);
+  std::vector<float> alpha(R);
   int64_t lo[MAX_RUN], hi[MAX_RUN], r0s[MAX_RUN], r1s[MAX_RUN];
   for (int64_t task = begin; task < end; ++task) {
     const Run& run = p.runs[task / p.kvh];
@@ -120,38 +121,52 @@ void run_tasks(const Problem& p, int64_t begin, int64_t end) {
         }
       }
       const float* vt = load(p.V, p.staged.v, p.sinks.v, blk, h, t0, t1, vbuf.data(), &ldv);
-      for (int64_t g = 0; g < rows; ++g) {
+      for (int64_t g = 0; g < rows; ++g) {  // online softmax; weights outside a row's range become 0
         const int64_t r0 = r0s[g / G], r1 = r1s[g / G];
-        if (r0 >= r1) continue;
         float* sg = s.data() + g * bs;
-        float* ag = acc.data() + g * Dv;
+        if (r0 >= r1) {
+          alpha[g] = 1.f;
+          std::fill(sg + t0, sg + t1, 0.f);
+          continue;
+        }
         const float top = std::max(m[g], *std::max_element(sg + r0, sg + r1));
-        const float alpha = m[g] == top ? 1.f : exp_nonpositive(m[g] - top);
+        alpha[g] = m[g] == top ? 1.f : exp_nonpositive(m[g] - top);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t r = r0; r < r1; ++r) {
           sg[r] = exp_nonpositive(sg[r] - top);
           sum += sg[r];
         }
-        l[g] = l[g] * alpha + sum;
+        std::fill(sg + t0, sg + r0, 0.f);
+        std::fill(sg + r1, sg + t1, 0.f);
+        l[g] = l[g] * alpha[g] + sum;
         m[g] = top;
-        if constexpr (DV > 0) {  // the accumulator stays in registers over the block's rows
-          float a[DV];
-          for (int c = 0; c < DV; ++c) a[c] = ag[c] * alpha;
-          for (int64_t r = r0; r < r1; ++r) {
-            const float w = sg[r];
-            const float* vr = vt + r * ldv;
-            for (int c = 0; c < DV; ++c) a[c] += w * vr[c];
-          }
-          std::copy_n(a, DV, ag);
-        } else {
-          for (int64_t c = 0; c < Dv; ++c) ag[c] *= alpha;
-          for (int64_t r = r0; r < r1; ++r) {
-            const float w = sg[r];
-            const float* vr = vt + r * ldv;
+      }
+#ifdef __AVX512F__
+      if constexpr (DV == 64) {  // up to 6 rows' accumulators in registers, each V row loaded once for them
+        for (int64_t g = 0; g < rows; g += 6) {
+          const int64_t k = std::min<int64_t>(6, rows - g);
+          float* a = acc.data() + g * DV;
+          const float* w = s.data() + g * bs;
+          if (k == 6) weigh_rows<6>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+          else if (k == 5) weigh_rows<5>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+          else if (k == 4) weigh_rows<4>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+          else if (k == 3) weigh_rows<3>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+          else if (k == 2) weigh_rows<2>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+          else weigh_rows<1>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+        }
+        continue;
+      }
+#endif
+      for (int64_t g = 0; g < rows; ++g) {
+        const float* sg = s.data() + g * bs;
+        float* ag = acc.data() + g * Dv;
+        for (int64_t c = 0; c < Dv; ++c) ag[c] *= alpha[g];
+        for (int64_t r = t0; r < t1; ++r) {
+          const float w = sg[r];
+          const float* vr = vt + r * ldv;
 #pragma omp simd
-            for (int64_t c = 0; c < Dv; ++c) ag[c] += w * vr[c];
-          }
+          for (int64_t c = 0; c < Dv; ++c) ag[c] += w * vr[c];
         }
       }
     }
