@@ -88,7 +88,10 @@ def register(sub) -> None:
     ti.add_argument("--host-docs", type=int, default=8, help="documents the host tier holds (default: 8)")
     ti.add_argument("--disk-docs", type=int, default=12, help="documents the disk tier holds (default: 12)")
     ti.add_argument("--redis", default=None, help="redis://HOST:PORT[/DB] (default: start a private redis-server)")
-    ti.add_argument("--pressure-requests", type=int, default=6, help="concurrent requests under pressure (default: 6)")
+    ti.add_argument("--pressure-requests", type=int, default=4,
+                    help="concurrent requests of --doc-tokens prompts under memory pressure (default: 4)")
+    ti.add_argument("--pressure-output-tokens", type=int, default=64,
+                    help="tokens each pressure request generates (default: 64)")
     ti.add_argument("--replica-docs", type=int, default=8, help="documents of the two-engine run (default: 8)")
     ti.add_argument("--seed", type=int, default=0, help="workload seed")
     _output_options(ti, model=True)
@@ -207,7 +210,9 @@ def run_tiers(args) -> int:
     from kvforge.models.loader import load_model
 
     r = tiers_bench(load_model(args.model), args.docs, args.doc_tokens, args.kv_dtype, args.pool_docs, args.host_docs,
-                    args.disk_docs, args.redis, args.pressure_requests, args.replica_docs, args.seed, not args.no_progress)
+                    args.disk_docs, args.redis, pressure_requests=args.pressure_requests,
+                    pressure_output_tokens=args.pressure_output_tokens, replica_docs=args.replica_docs, seed=args.seed,
+                    show=not args.no_progress)
     ratio = r["ttft_ratio"]
     _emit(r, args.json, [
         ("second_pass_hit_rate", r["second_pass_hit_rate"]),
