@@ -22,6 +22,8 @@ class H2OPolicy(KVPolicy):
         number of queries that could attend to the token, so old tokens are not favoured for their age).
     scope: "head" (the paper: each layer and KV head keeps its own heavy hitters), "layer" (heads summed),
         or "sequence" (layers and heads summed: one kept set per sequence). Keys keep logical positions.
+    decay: each step first multiplies the scores by decay ** (its queries), so attention long ago counts
+        less (1.0, the default, is the paper's plain sum; near 0 keeps what the latest queries attend to).
     """
 
     name = "h2o"
@@ -32,11 +34,14 @@ class H2OPolicy(KVPolicy):
     sinks: int = 0
     score: str = "sum"
     scope: str = "head"
+    decay: float = 1.0
 
     def __post_init__(self):
         super().__post_init__()
         if self.score not in ("sum", "mean"):
             raise ConfigError(f"h2o: score must be 'sum' or 'mean', got {self.score!r}")
+        if not isinstance(self.decay, (int, float)) or not 0 < self.decay <= 1:
+            raise ConfigError(f"h2o: decay must be a number in (0, 1], got {self.decay!r}")
 
     def num_recent(self, budget: int) -> int:
         return int(self.recent * budget) if isinstance(self.recent, float) else min(self.recent, budget)
@@ -44,6 +49,8 @@ class H2OPolicy(KVPolicy):
     def observe(self, state: PolicyState, attn: torch.Tensor, queries: int | None = None) -> None:
         rows, length = attn.shape[-2:]
         state.grow(length, attn.shape[:-2])
+        if self.decay < 1:
+            state.scores *= self.decay ** (queries or rows)
         state.scores[..., :length] += attn.sum(-2)
         if self.score == "mean":
             at = torch.arange(length - (queries or rows), length)
