@@ -212,16 +212,15 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
     group = q.shape[1] // kv_heads
     qd = q[q_index.flatten()].view(b, m, kv_heads, group, q.shape[-1])
     mask = ~valid.repeat_interleave(group, dim=1)  # [B, M * group, keys]
-    out, acc = [], None
+    out, per_head = [], []
     for h in range(kv_heads):
         scores = torch.bmm(qd[:, :, h].reshape(b, m * group, -1), k[:, :, h].transpose(1, 2)) * scale
         probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
         out.append(torch.bmm(probs, v[:, :, h]).view(b, m, group, -1))
         if meta.stats:
-            part = probs.view(b, m, group, -1).sum(2)
-            acc = part if acc is None else acc + part
-    if acc is not None:
-        record_multi(meta.stats, rows, acc, meta.query_lens, meta.context_lens)
+            per_head.append(probs.view(b, m, group, -1).sum(2))
+    if per_head:
+        record_multi(meta.stats, rows, torch.stack(per_head, 1), meta.query_lens, meta.context_lens)
     return torch.stack(out, 2).reshape(b * m, q.shape[1], -1)
 
 
