@@ -33,6 +33,8 @@ def register(sub) -> None:
     h.add_argument("--hybrid-requests", type=int, default=8, help="sequences in the workload")
     h.add_argument("--hybrid-budget-seqs", type=int, default=2,
                    help="KV budget: this many sequences with every layer kept full")
+    h.add_argument("--hybrid-output-len", type=int, default=128, help="output tokens of each sequence")
+    h.add_argument("--hybrid-chunk", type=int, default=256, help="prefill chunk (max_num_batched_tokens)")
     m.set_defaults(func=run_memory)
 
     x = bsub.add_parser("prefix", help="shared system prompt and multi-turn chats, prefix caching off vs on")
@@ -158,15 +160,15 @@ def run_memory(args) -> int:
     loaded = load_model(args.model)
     budget = parse_size(args.budget) if args.budget else None
     hybrid = {"seq_len": args.hybrid_seq_len, "num_requests": args.hybrid_requests,
-              "budget_seqs": args.hybrid_budget_seqs}
+              "budget_seqs": args.hybrid_budget_seqs, "output_len": args.hybrid_output_len, "chunk": args.hybrid_chunk}
     result = memory_bench(loaded, args.num_requests, tuple(args.prompt_len), tuple(args.output_len), budget,
                           args.max_model_len, args.max_num_seqs, args.seed, not args.no_progress, hybrid)
     h = result.get("hybrid")
     hybrid_rows = [] if h is None else [
         (f"hybrid: {h['seq_len']}-token sequences that fit, groups / full layers (formula)",
          f'{h["groups"]["sequences_that_fit"]} / {h["full_layers"]["sequences_that_fit"]}'),
-        ("hybrid: peak concurrent seqs, groups / full layers",
-         f'{h["groups"]["peak_concurrent_seqs"]} / {h["full_layers"]["peak_concurrent_seqs"]}'),
+        ("hybrid: peak sequences decoding at once, groups / full layers",
+         f'{h["groups"]["peak_decoding_seqs"]} / {h["full_layers"]["peak_decoding_seqs"]}'),
         ("hybrid: concurrency ratio", h["concurrency_ratio"]),
         ("hybrid: completion time groups / full layers (s)", f'{h["groups"]["seconds"]:.1f} / {h["full_layers"]["seconds"]:.1f}'),
     ]
