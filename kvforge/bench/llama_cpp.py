@@ -39,12 +39,12 @@ def prompts_for(pl: int, npp: int, vocab_size: int, seed: int) -> list[list[int]
     return [random_tokens(rng, npp, vocab_size) for _ in range(pl)]
 
 
-def run_kvforge(loaded, npp: int, ntg: int, npl: list[int], seed: int) -> dict:
+def run_kvforge(loaded, npp: int, ntg: int, npl: list[int], seed: int, weights: str = "fp32") -> dict:
     most = max(npl)
     budget = budget_for(loaded.config.kv_cache_spec(), get_format("fp32"), 16, npp + ntg + 16, most, 1)
     engine = LLMEngine(EngineConfig(max_num_seqs=most, max_num_batched_tokens=max(most * npp, 512),
                                     kv_cache_memory=budget, max_model_len=npp + ntg + 16,
-                                    enable_prefix_caching=False), loaded)
+                                    enable_prefix_caching=False, weights=weights), loaded)
     _kvforge_round(engine, [random_tokens(random.Random(-1), min(npp, 16), loaded.config.vocab_size)], 2)  # warm
     rows = {}
     for pl in npl:
@@ -95,7 +95,7 @@ def _totals(rows: dict, npp: int, ntg: int) -> dict:
 
 def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] = (1, 8, 32),
                     threads: int | None = None, seed: int = 0, kvforge_only: bool = False,
-                    llama_gguf: str | None = None) -> dict:
+                    llama_gguf: str | None = None, weights: str = "fp32") -> dict:
     """Both engines on the same shapes and weights; `ratio.*` = kvforge tok/s / llama.cpp tok/s."""
     if npp < 1 or ntg < 1 or not npl or min(npl) < 1:
         raise ConfigError(f"--npp, --ntg and every --npl must be >= 1 (got npp={npp}, ntg={ntg}, npl={list(npl)})")
@@ -104,9 +104,9 @@ def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] 
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     npl = list(npl)
-    ours = run_kvforge(loaded, npp, ntg, npl, seed)
+    ours = run_kvforge(loaded, npp, ntg, npl, seed, weights)
     result = {"npp": npp, "ntg": ntg, "npl": npl, "threads": threads, "seed": seed,
-              "kvforge": {**ours, **_totals(ours, npp, ntg), "weights": "fp32", "kv_cache": "fp32"}}
+              "kvforge": {**ours, **_totals(ours, npp, ntg), "weights": weights, "kv_cache": "fp32"}}
     if kvforge_only:
         return result
     from kvforge.bench.gguf_f32 import write_f32_gguf

@@ -105,8 +105,18 @@ def register(sub) -> None:
     ll.add_argument("--kvforge-only", action="store_true", help="measure kvforge only (no llama-cpp-python needed)")
     ll.add_argument("--llama-gguf", default=None,
                     help="GGUF for llama.cpp as is, e.g. a Q8_0 file (default: an F32 copy of --model, cached)")
+    ll.add_argument("--weights", default="fp32", choices=["fp32", "int8"], help="kvforge's linear-layer weights")
     _output_options(ll, model=True)
     ll.set_defaults(func=run_llama_cpp)
+
+    w = bsub.add_parser("weights", help="fp32 vs int8 linear weights: decode tok/s per batch size, in one run")
+    w.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
+    w.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
+    w.add_argument("--npl", type=int, nargs="+", default=[1, 8], help="batch sizes: sequences run together")
+    w.add_argument("--rounds", type=int, default=3, help="rounds, each running both kinds (medians reported)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    _output_options(w, model=True)
+    w.set_defaults(func=run_weights)
 
     from kvforge.bench.serve import register_serve
     register_serve(bsub)
@@ -264,7 +274,7 @@ def run_llama_cpp(args) -> int:
     if not args.kvforge_only and not llama_cpp_available():
         raise ConfigError(INSTALL_HINT)
     r = llama_cpp_bench(load_model(args.model), args.npp, args.ntg, tuple(args.npl), args.threads, args.seed,
-                        args.kvforge_only, args.llama_gguf)
+                        args.kvforge_only, args.llama_gguf, args.weights)
     rows = [("threads", r["threads"])]
     for side in ("kvforge", "llama_cpp"):
         if side in r:
@@ -272,6 +282,18 @@ def run_llama_cpp(args) -> int:
             rows += [(f"{side} decode tok/s, {pl} seqs", r[side][f"b{pl}"]["decode_tok_s"]) for pl in r["npl"]]
     rows += [(f"ratio.{k}", v) for k, v in r.get("ratio", {}).items()]
     _emit(r, args.json, rows)
+    return 0
+
+
+def run_weights(args) -> int:
+    from kvforge.bench.weights import weights_bench
+    from kvforge.models.loader import load_model
+
+    r = weights_bench(load_model(args.model), ("fp32", "int8"), args.npp, args.ntg, tuple(args.npl), args.rounds,
+                      args.seed)
+    rows = [(f"{kind} decode tok/s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_s"]) for kind in r["kinds"]
+            for pl in r["npl"]]
+    _emit(r, args.json, rows + [(f"ratio.{k}", v) for k, v in r["ratio"].items()])
     return 0
 
 

@@ -12,8 +12,9 @@ from torch import nn
 from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
+from kvforge.models.int8_weights import linear
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
-from kvforge.ops.layers import linear, rope
+from kvforge.ops.layers import rope
 
 
 class Attention(nn.Module):
