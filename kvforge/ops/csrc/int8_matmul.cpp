@@ -14,8 +14,25 @@ namespace kvforge {
 namespace {
 
 #if defined(__AVX512F__)
+inline __m512 widen(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 inline __m512 widen(const int8_t* p, __mmask16 mask) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+}
+
+// acc[r][m] += Wq[n0 + r, k:k+16] * x[m0 + m, k:k+16] (masked for the tail of K).
+template <int NR, int MR, bool TAIL>
+inline void step(__m512 (&acc)[NR][MR], const float* x, const int8_t* w, int64_t K, int64_t m0, int64_t n0, int64_t k,
+                 __mmask16 mask) {
+  __m512 wv[NR];
+  for (int r = 0; r < NR; ++r) wv[r] = TAIL ? widen(w + (n0 + r) * K + k, mask) : widen(w + (n0 + r) * K + k);
+  for (int m = 0; m < MR; ++m) {
+    const float* xp = x + (m0 + m) * K + k;
+    const __m512 xv = TAIL ? _mm512_maskz_loadu_ps(mask, xp) : _mm512_loadu_ps(xp);
+    for (int r = 0; r < NR; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+  }
 }
 
 // Rows [n0, n0 + NR) of Wq against rows [m0, m0 + MR) of x.
@@ -26,16 +43,9 @@ inline void tile(const float* x, const int8_t* w, const float* scale, float* y, 
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
   const int64_t full = K / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (K - full)) - 1u);
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 mask = k < full ? static_cast<__mmask16>(0xFFFF) : tail;
-    __m512 wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = widen(w + (n0 + r) * K + k, mask);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + m) * K + k);
-      for (int r = 0; r < NR; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
-    }
-  }
+  int64_t k = 0;
+  for (; k < full; k += 16) step<NR, MR, false>(acc, x, w, K, m0, n0, k, 0);
+  if (k < K) step<NR, MR, true>(acc, x, w, K, m0, n0, k, static_cast<__mmask16>((1u << (K - full)) - 1u));
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]) * scale[n0 + r];
 }
