@@ -293,6 +293,7 @@ def run_weights(args) -> int:
                       args.seed)
     rows = [(f"{kind} decode tok/s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_s"]) for kind in r["kinds"]
             for pl in r["npl"]]
+    rows += [(f"{kind} CPU ms per decode step, 1 seq", r[kind]["cpu_ms_per_step_b1"]) for kind in r["kinds"]]
     _emit(r, args.json, rows + [(f"ratio.{k}", v) for k, v in r["ratio"].items()])
     return 0
 

@@ -18,6 +18,7 @@ def test_rounds_interleave_both_kinds_and_ratios_follow_the_medians(tiny_loaded)
         assert r["ratio"][f"decode_{key}"] == pytest.approx(int8["decode_tok_s"] / fp32["decode_tok_s"])
         assert r["ratio_per_round"][f"decode_{key}"] == pytest.approx([i / f for i, f in zip(int8["rounds"],
                                                                                          fp32["rounds"])])
+    assert all(r[kind]["cpu_ms_per_step_b1"] > 0 for kind in ("fp32", "int8"))
     with pytest.raises(ConfigError, match="two weight kinds"):
         weights_bench(tiny_loaded, kinds=("int8",))
 
