@@ -39,9 +39,15 @@ def test_int8_logits_and_greedy_match_transformers_on_dequantized_weights(kind, 
     assert is_quantized(engine.loaded.model) and not is_quantized(loaded.model)
     with torch.no_grad():
         want, fp32 = ref(torch.tensor([TOKENS])).logits[0], hf(torch.tensor([TOKENS])).logits[0]
-    assert (want - fp32).abs().max() > 1e-3  # the round trip changes the logits: the comparison can fail
-    for chunk in (7, 64):  # 7 rows: the compiled kernel; 50: dequantize + BLAS
-        torch.testing.assert_close(position_logits(engine, TOKENS, chunk_size=chunk), want, atol=1e-4, rtol=1e-4)
+    gap = (want - fp32).abs()
+    assert gap.max() > 1e-3  # the round trip changes the logits: the comparisons can fail
+    # 50 rows: dequantized weights through the BLAS, fp32 activations, as the reference
+    torch.testing.assert_close(position_logits(engine, TOKENS, chunk_size=64), want, atol=1e-4, rtol=1e-4)
+    # 7 rows: the int8 operator, whose activations are also rounded to int16 per row: close to the reference,
+    # several times closer than the fp32 weights are
+    ours = position_logits(engine, TOKENS, chunk_size=7)
+    torch.testing.assert_close(ours, want, atol=2e-3, rtol=1e-3)
+    assert (ours - want).abs().mean() < 0.25 * gap.mean()
     llm = LLM.from_engine(engine)
     out = llm.generate([TOKENS[:9]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(ref, TOKENS[:9], 10)
