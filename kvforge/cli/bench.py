@@ -102,6 +102,7 @@ def register(sub) -> None:
     ll.add_argument("--npl", type=int, nargs="+", default=[1, 8, 32], help="batch sizes: sequences run together")
     ll.add_argument("--threads", type=int, default=None, help="threads of both engines (default: torch's thread count)")
     ll.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    ll.add_argument("--rounds", type=int, default=3, help="rounds, sides alternating; figures are medians (default: 3)")
     ll.add_argument("--kvforge-only", action="store_true", help="measure kvforge only (no llama-cpp-python needed)")
     ll.add_argument("--llama-gguf", default=None,
                     help="GGUF for llama.cpp as is, e.g. a Q8_0 file (default: an F32 copy of --model, cached)")
@@ -274,13 +275,14 @@ def run_llama_cpp(args) -> int:
     if not args.kvforge_only and not llama_cpp_available():
         raise ConfigError(INSTALL_HINT)
     r = llama_cpp_bench(load_model(args.model), args.npp, args.ntg, tuple(args.npl), args.threads, args.seed,
-                        args.kvforge_only, args.llama_gguf, args.weights)
+                        args.kvforge_only, args.llama_gguf, args.rounds, args.weights)
     rows = [("threads", r["threads"])]
     for side in ("kvforge", "llama_cpp"):
         if side in r:
             rows += [(f"{side} prefill tok/s", r[side]["prefill_tok_s"])]
             rows += [(f"{side} decode tok/s, {pl} seqs", r[side][f"b{pl}"]["decode_tok_s"]) for pl in r["npl"]]
     rows += [(f"ratio.{k}", v) for k, v in r.get("ratio", {}).items()]
+    rows += [(f"ratio_cpu.{k}", v) for k, v in r.get("ratio_cpu", {}).items()]
     _emit(r, args.json, rows)
     return 0
 
@@ -293,8 +295,9 @@ def run_weights(args) -> int:
                       args.seed)
     rows = [(f"{kind} decode tok/s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_s"]) for kind in r["kinds"]
             for pl in r["npl"]]
-    rows += [(f"{kind} CPU ms per decode step, 1 seq", r[kind]["cpu_ms_per_step_b1"]) for kind in r["kinds"]]
-    _emit(r, args.json, rows + [(f"ratio.{k}", v) for k, v in r["ratio"].items()])
+    rows += [(f"{kind} decode tok per CPU s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_per_cpu_s"])
+             for kind in r["kinds"] for pl in r["npl"]]
+    _emit(r, args.json, rows + [(f"{name}.{k}", v) for name in ("ratio", "ratio_cpu") for k, v in r[name].items()])
     return 0
 
 

@@ -28,7 +28,6 @@ from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.setup import attach_tiers
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
-from kvforge.models.packed_linear import pack_linears
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -47,7 +46,6 @@ class LLMEngine:
         self.model_config = cfg = self.loaded.config
         if config.weights == "int8":
             self.loaded = int8_loaded(self.loaded)  # its own module tree with int8 linear weights
-        pack_linears(self.loaded.model)  # CPU fp32: oneDNN with packed weights (a no-op elsewhere)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.spec = cfg.kv_cache_spec()
