@@ -1,7 +1,8 @@
 """Weight-only int8 models (`EngineConfig(weights="int8")`): every linear layer's weight, the fused q/k/v and
 gate/up weights and the LM head get an int8 copy with one scale per output channel (kvforge/ops/int8.py); the
 embedding lookup stays fp32. The engine quantizes its own copy of the module tree (tensors shared, nothing
-copied), so an fp32 engine over the same loaded model is unchanged.
+copied), so an fp32 engine over the same loaded model is unchanged. Prefill chunks multiply by a dequantized
+fp32 copy of each weight, made on first use (the same values; memory: one more fp32 copy, plus oneDNN's).
 
 A quantized weight carries its int8 form as an attribute of the weight tensor the model passes to `linear`,
 so the model code is the same for both: `linear` below dispatches on it.
@@ -15,18 +16,26 @@ import torch
 from torch import nn
 
 from kvforge.ops import layers as ops_layers
-from kvforge.ops.int8 import int8_linear, quantize_per_channel
+from kvforge.ops.int8 import COMPILED_ROWS, dequantize, int8_linear, quantize_per_channel
 
 INT8 = "_kvforge_int8"  # attribute of a weight tensor: its (int8 weight, per-row scale)
+DEQUANTIZED = "_kvforge_int8_dense"  # and its dequantized fp32 copy, for prefill chunks
 FUSED = ("qkv_weight", "gate_up_weight")  # fused projections the models call through `linear` (llama.py, layers.py)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """ops.layers.linear, or the int8 matmul when `weight` was quantized."""
+    """ops.layers.linear, or for a quantized `weight` the int8 operator (decode's few rows) or, for more rows
+    (prefill chunks), ops.layers.linear on the dequantized weight, made once and kept (oneDNN packs it once)."""
     q = getattr(weight, INT8, None)
-    if q is not None:
+    if q is None:
+        return ops_layers.linear(x, weight, bias)
+    if x.numel() // x.shape[-1] <= COMPILED_ROWS:
         return int8_linear(x, q[0], q[1], bias)
-    return ops_layers.linear(x, weight, bias)
+    dense = getattr(weight, DEQUANTIZED, None)
+    if dense is None:
+        dense = dequantize(q[0], q[1])
+        setattr(weight, DEQUANTIZED, dense)
+    return ops_layers.linear(x, dense, bias)
 
 
 class Int8Linear(nn.Linear):
@@ -71,7 +80,7 @@ def quantize_model(model: nn.Module) -> int:
 
 
 def module_copy(model: nn.Module) -> nn.Module:
-    """A copy of the module tree that shares every tensor (parameters, buffers, packed weights)."""
+    """A copy of the module tree that shares every tensor (parameters, buffers, tensor attributes)."""
     memo = {}
     for module in model.modules():
         for t in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
