@@ -43,11 +43,11 @@ def prompts_for(pl: int, npp: int, vocab_size: int, seed: int) -> list[list[int]
 class KvforgeRunner:
     """kvforge's side of a round: an engine sized for the largest batch, prompts prefilled in one step."""
 
-    def __init__(self, loaded, npp: int, ntg: int, most: int):
+    def __init__(self, loaded, npp: int, ntg: int, most: int, weights: str = "fp32"):
         budget = budget_for(loaded.config.kv_cache_spec(), get_format("fp32"), 16, npp + ntg + 16, most, 1)
         self.engine = LLMEngine(EngineConfig(max_num_seqs=most, max_num_batched_tokens=max(most * npp, 512),
                                              kv_cache_memory=budget, max_model_len=npp + ntg + 16,
-                                             enable_prefix_caching=False), loaded)
+                                             enable_prefix_caching=False, weights=weights), loaded)
 
     def round(self, prompts: list[list[int]], ntg: int) -> Timing:
         engine = self.engine
@@ -112,7 +112,7 @@ def _ratios(ours: dict, theirs: dict, npl: list[int], key: str) -> dict:
 
 def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] = (1, 8, 32),
                     threads: int | None = None, seed: int = 0, kvforge_only: bool = False,
-                    llama_gguf: str | None = None, rounds: int = 3) -> dict:
+                    llama_gguf: str | None = None, rounds: int = 3, weights: str = "fp32") -> dict:
     """Both engines on the same shapes and weights; `ratio.*` = kvforge tok/s / llama.cpp tok/s (wall clock);
     at one thread `ratio_cpu.*` is the same per second of the computing thread's CPU time, which other
     processes on a shared machine inflate far less than wall time."""
@@ -124,7 +124,7 @@ def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] 
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     npl = list(npl)
-    runners = {"kvforge": KvforgeRunner(loaded, npp, ntg, max(npl))}
+    runners = {"kvforge": KvforgeRunner(loaded, npp, ntg, max(npl), weights)}
     path = None
     if not kvforge_only:
         from kvforge.bench.gguf_f32 import write_f32_gguf
@@ -139,7 +139,7 @@ def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] 
             runner.close()
     ours = rows["kvforge"]
     result = {"npp": npp, "ntg": ntg, "npl": npl, "threads": threads, "seed": seed, "rounds": rounds,
-              "kvforge": {**ours, **_totals(ours, npp, ntg), "weights": "fp32", "kv_cache": "fp32"}}
+              "kvforge": {**ours, **_totals(ours, npp, ntg), "weights": weights, "kv_cache": "fp32"}}
     if kvforge_only:
         return result
     theirs = rows["llama_cpp"]
