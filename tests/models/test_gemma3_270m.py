@@ -13,6 +13,8 @@ import torch
 from hf_reference import hf_greedy
 
 from kvforge import LLM, SamplingParams
+from kvforge.config import EngineConfig
+from kvforge.engine.engine import LLMEngine
 from kvforge.models.gguf_loader import _open, read_gguf_header
 
 pytestmark = pytest.mark.slow
@@ -89,6 +91,22 @@ def test_greedy_token_identical_with_chunks_and_prefix_cache(hf_gemma, llm):
     for p, out in zip(prompts, first):
         assert out.token_ids == hf_greedy(hf_gemma, p, 8, last_logits_only=True)
     assert [o.token_ids for o in again] == [o.token_ids for o in first[:2]]
+
+
+def test_greedy_token_identical_under_preemption(hf_gemma, llm):
+    """Three 300-token prompts in a pool that holds about one and a half of them: sequences are preempted and recomputed,
+    and every output still equals transformers'; nothing is left in the pool after."""
+    tok = llm.engine.tokenizer
+    text = tok.encode(_read("README.md"))
+    prompts = [text[i * 300: i * 300 + 300] for i in range(3)]
+    tight = LLM.from_engine(LLMEngine(EngineConfig(kv_cache_memory="16MiB", block_size=16, max_num_batched_tokens=64,
+                                                   max_model_len=400, enable_prefix_caching=False), llm.engine.loaded))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.stats()["preemptions"] > 0
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf_gemma, p, 6, last_logits_only=True)
+    assert tight.engine.kv.allocator.num_used == 0
 
 
 def test_greedy_token_identical_past_the_sliding_window(hf_gemma, llm):
