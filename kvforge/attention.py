@@ -160,10 +160,13 @@ class AttentionMetadata:
         return self._prefill_cache[i]
 
 
-def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, dim] -> [T, heads, v_dim] attention output over the cached history."""
+def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float,
+           softcap: float | None = None) -> torch.Tensor:
+    """q: [T, heads, dim] -> [T, heads, v_dim] attention output over the cached history. `softcap` (Gemma 2's
+    attn_logit_softcapping) bounds the scaled scores to softcap * tanh(scores / softcap); the compiled operators
+    have no soft-capping, so such layers run the torch path, as do KV policies (they read probabilities)."""
     out = None
-    compiled = _short_rows_compiled(q, cache, meta, scale) if not meta.stats else None  # KV policies: torch path
+    compiled = _short_rows_compiled(q, cache, meta, scale) if not (meta.stats or softcap) else None
     if compiled is not None:
         q_index, dec = compiled
         if q_index is None:
@@ -172,13 +175,13 @@ def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: floa
         out[q_index] = dec
     groups = [] if compiled else meta.one_query_groups(q.device) + meta.multi_groups(q.device)
     for rows, table, valid, q_index, q_ctx in groups:
-        dec = _decode(q, cache, meta, scale, rows, table, valid, q_index, q_ctx)
+        dec = _decode(q, cache, meta, scale, rows, table, valid, q_index, q_ctx, softcap)
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
         out[q_index.flatten()] = dec
     for i in meta.prefill_rows:
         start, n = meta.query_start_loc[i], meta.query_lens[i]
-        res = _prefill_one(q[start : start + n], cache, meta, i, scale)
+        res = _prefill_one(q[start : start + n], cache, meta, i, scale, softcap)
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], res.shape[-1])
         out[start : start + n] = res
@@ -201,7 +204,8 @@ def _short_rows_compiled(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadat
 
 
 def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rows: list[int],
-            table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor, q_ctx: torch.Tensor) -> torch.Tensor:
+            table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor, q_ctx: torch.Tensor,
+            softcap: float | None = None) -> torch.Tensor:
     """Rows of M queries each (M = 1 for plain decode), padded into one batch: valid [B, M, keys], q_index and
     q_ctx (keys each query sees) [B, M] -> [B * M, heads, v_dim] in q_index order."""
     b, width = table.shape
@@ -212,16 +216,15 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
     group = q.shape[1] // kv_heads
     qd = q[q_index.flatten()].view(b, m, kv_heads, group, q.shape[-1])
     mask = ~valid.repeat_interleave(group, dim=1)  # [B, M * group, keys]
-    out, acc = [], None
+    out, per_head = [], []
     for h in range(kv_heads):
-        scores = torch.bmm(qd[:, :, h].reshape(b, m * group, -1), k[:, :, h].transpose(1, 2)) * scale
+        scores = _cap(torch.bmm(qd[:, :, h].reshape(b, m * group, -1), k[:, :, h].transpose(1, 2)) * scale, softcap)
         probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
         out.append(torch.bmm(probs, v[:, :, h]).view(b, m, group, -1))
         if meta.stats:
-            part = probs.view(b, m, group, -1).sum(2)
-            acc = part if acc is None else acc + part
-    if acc is not None:
-        record_multi(meta.stats, rows, acc, meta.query_lens, meta.context_lens)
+            per_head.append(probs.view(b, m, group, -1).sum(2))
+    if per_head:
+        record_multi(meta.stats, rows, torch.stack(per_head, 1), meta.query_lens, meta.context_lens)
     return torch.stack(out, 2).reshape(b * m, q.shape[1], -1)
 
 
@@ -236,11 +239,21 @@ def prefill_history(cache: LayerKV, meta: AttentionMetadata, i: int,
     return k, v, mask
 
 
-def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if not softcap else torch.tanh(scores / softcap) * softcap
+
+
+def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int, scale: float,
+                 softcap: float | None = None) -> torch.Tensor:
     k, v, mask = prefill_history(cache, meta, i, q.device)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    qh = q.transpose(0, 1)[None]
+    if softcap:  # scaled_dot_product_attention has no soft-capping: scores written out
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = _cap(qh @ k.transpose(-1, -2) * scale, softcap).masked_fill_(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v
+    else:
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     if meta.stats:
         record_prefill(meta.stats, i, q, k, mask, scale)
     return out[0].transpose(0, 1)
