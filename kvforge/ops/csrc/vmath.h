@@ -39,6 +39,10 @@ namespace kvforge {
 // fp16 -> fp32 (F16C where the CPU has it; c10::Half's bit arithmetic does not vectorize).
 inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
 #ifdef __F16C__
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
@@ -48,6 +52,12 @@ inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
 
 inline void bf16_to_float(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+#endif
 #ifdef __AVX2__
   for (; i + 8 <= n; i += 8) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
