@@ -8,6 +8,7 @@ from kvforge.errors import ConfigError
 
 KV_LAYOUTS = ("paged", "contiguous")
 PREEMPTION_MODES = (None, "recompute", "swap")
+WEIGHT_KINDS = ("fp32", "int8")
 
 
 @dataclass
@@ -34,6 +35,7 @@ class EngineConfig:
     preemption_mode: str | None = None  # "recompute" | "swap"; None = swap when a KV policy evicts and a host tier exists
     kv_tier_write_through: bool = False  # store a block in the first tier when it is cached, not only when it leaves the pool
     kv_tier_fsync: bool = True  # disk tier: fsync each block file before its rename, and the directory after
+    weights: str = "fp32"  # "int8": weight-only int8 linear layers (per-output-channel scales), fp32 activations
 
     def __post_init__(self):
         if isinstance(self.kv_cache_memory, str):
@@ -52,6 +54,7 @@ class EngineConfig:
              f"kv_cache_memory must be a positive number of bytes or None, got {self.kv_cache_memory!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}"),
             (0 < self.kv_cache_memory_fraction <= 0.95, f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}"),
+            (self.weights in WEIGHT_KINDS, f"weights must be one of {WEIGHT_KINDS}, got {self.weights!r}"),
         ]
         for ok, message in checks:
             if not ok:

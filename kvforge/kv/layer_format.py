@@ -71,6 +71,20 @@ class LayerKV(ABC):
         k, v = self.read_rows(src, block_size)
         self.write(dst, k, v)
 
+    def read_head_rows(self, src: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 K and V where head h of row i is head h of the row at flat slot src[i, h]: [n, heads, dim]."""
+        n, heads = src.shape
+        k, v = self.read_rows(src.flatten(), block_size)
+        h = torch.arange(heads, device=k.device)
+        pick = (lambda x: x.view(n, heads, heads, -1)[:, h, h]) if heads > 1 else (lambda x: x.view(n, 1, -1))
+        return pick(k), (pick(v) if v is not None else None)
+
+    def move_heads(self, src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
+        """Like `move`, head by head: head h of the row at slot dst[i] takes head h of the row at src[i, h]
+        (a KV policy that keeps its own rows per head). This default re-writes them, exact for the plain dtypes."""
+        k, v = self.read_head_rows(src.long(), block_size)
+        self.write(dst, k, v)
+
     def rewrite(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """New values for rows already stored at slots (their blocks are not new, whatever the offset)."""
         self.write(slots, k, v)

@@ -15,8 +15,10 @@ from kvforge.sampling_params import SamplingParams
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    ang = pos.double()[:, None] * inv_freq.double()[None, :]
-    cos, sin = ang.cos().float()[:, None], ang.sin().float()[:, None]
+    """pos: [n] (one position per row) or [n, heads] (per row and head)."""
+    ang = pos.double()[..., None] * inv_freq.double()
+    ang = ang[:, None] if pos.dim() == 1 else ang
+    cos, sin = ang.cos().float(), ang.sin().float()
     a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
@@ -24,49 +26,61 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.T
 @torch.inference_mode()
 def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bool) -> torch.Tensor:
     """Dense reference: un-rotated K and V per kept token, RoPE applied at read time by cache index
-    (rope_by_cache) or by logical position; the same policy decides what is kept after each chunk."""
+    (rope_by_cache) or by logical position; the same policy decides what is kept after each chunk. A policy
+    with a per-layer scope sees each layer's attention per KV head, and each layer (and head) keeps its own
+    rows: every cached row then has a logical position per layer and head."""
     cfg, inv_freq = model.config, model.rotary.inv_freq
     layers = model.model.layers
-    keys = [torch.zeros(0, cfg.num_kv_heads, cfg.head_dim) for _ in layers]
-    vals = [torch.zeros(0, cfg.num_kv_heads, cfg.head_dim) for _ in layers]
-    logical = torch.zeros(0, dtype=torch.long)  # logical position of each cached token
+    heads, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    keys = [torch.zeros(0, heads, cfg.head_dim) for _ in layers]
+    vals = [torch.zeros(0, heads, cfg.head_dim) for _ in layers]
+    logical = [torch.zeros(0, heads, dtype=torch.long) for _ in layers]  # logical position of each cached row
     state = PolicyState()
     computed, evicted = 0, 0
     out = []
     for start in range(0, len(tokens), chunk):
         ids = torch.tensor(tokens[start: start + chunk])
-        n, c = len(ids), int(logical.shape[0])
-        logical = torch.cat([logical, torch.arange(start, start + n)])
-        pos = torch.arange(c + n) if rope_by_cache else logical
+        n, c = len(ids), int(logical[0].shape[0])
+        logical = [torch.cat([lp, torch.arange(start, start + n)[:, None].expand(n, heads)]) for lp in logical]
         x = model.model.embed_tokens(ids)
         rows = policy.attention_rows(SequenceView(c, computed, len(tokens), state), n)
-        attn_sum = torch.zeros(n, c + n)
+        attn_sum, per_layer = torch.zeros(n, c + n), []
         for li, layer in enumerate(layers):
             att, h = layer.self_attn, layer.input_layernorm(x)
+            pos = torch.arange(c + n) if rope_by_cache else logical[li]
             q = att.q_proj(h).view(n, cfg.num_heads, cfg.head_dim)
-            keys[li] = torch.cat([keys[li], att.k_proj(h).view(n, cfg.num_kv_heads, cfg.head_dim)])
-            vals[li] = torch.cat([vals[li], att.v_proj(h).view(n, cfg.num_kv_heads, cfg.head_dim)])
-            group = cfg.num_heads // cfg.num_kv_heads
+            keys[li] = torch.cat([keys[li], att.k_proj(h).view(n, heads, cfg.head_dim)])
+            vals[li] = torch.cat([vals[li], att.v_proj(h).view(n, heads, cfg.head_dim)])
             k = _rope(keys[li], pos, inv_freq).repeat_interleave(group, 1)
             v = vals[li].repeat_interleave(group, 1)
-            scores = torch.einsum("qhd,khd->hqk", _rope(q, pos[c:], inv_freq), k) / math.sqrt(cfg.head_dim)
+            q_pos = torch.arange(c, c + n) if rope_by_cache else torch.arange(start, start + n)
+            scores = torch.einsum("qhd,khd->hqk", _rope(q, q_pos, inv_freq), k) / math.sqrt(cfg.head_dim)
             causal = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
             probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
             attn_sum += probs.sum(0)
+            per_layer.append(probs.unflatten(0, (heads, group)).sum(1) / group)
             x = x + att.o_proj(torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         out.append(model.compute_logits(model.model.norm(x)))
         computed += n
-        if rows:
+        if rows and policy.per_layer:
+            attn = torch.stack(per_layer)[:, :, -rows:]
+            policy.observe(state, attn if policy.scope == "head" else attn.sum(1, keepdim=True))
+        elif rows:
             policy.observe(state, attn_sum[-rows:] / attn_sum[-rows:].sum(-1, keepdim=True))
         keep = policy.keep(SequenceView(computed - evicted, computed, len(tokens), state))
         if keep is not None:
             state.grow(computed - evicted)
             state.compact(keep)
-            keys, vals = [k[keep] for k in keys], [v[keep] for v in vals]
-            logical = logical[keep]
-            evicted += computed - evicted - len(keep)
+            each = keep.expand(len(layers), heads, -1)  # [m] or [layers, heads or 1, m]
+            keys, vals, logical = ([_take(x, each[li]) for li, x in enumerate(xs)] for xs in (keys, vals, logical))
+            evicted += computed - evicted - keep.shape[-1]
     return torch.cat(out)
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x: [n, heads, ...] -> [m, heads, ...], head h from rows[h]."""
+    return torch.stack([x[rows[h], h] for h in range(x.shape[1])], 1)
 
 
 def _engine(loaded, policy=None, options=None, **kw) -> LLMEngine:
@@ -78,8 +92,11 @@ def _engine(loaded, policy=None, options=None, **kw) -> LLMEngine:
 TOKENS = [int(t) for t in torch.randint(1, 90, (150,), generator=torch.Generator().manual_seed(3))]
 CASES = [("streaming", {"budget": 24, "sinks": 4, "slack": 8}, True),
          ("window", {"budget": 24, "slack": 5}, False),
-         ("h2o", {"budget": 24, "slack": 8, "recent": 8}, False),
-         ("scissorhands", {"budget": 24, "slack": 8, "history": 20}, False)]
+         ("h2o", {"budget": 24, "slack": 8, "recent": 8}, False),  # scope "head": per layer and KV head
+         ("h2o", {"budget": 24, "slack": 8, "recent": 8, "scope": "layer", "score": "mean"}, False),
+         ("h2o", {"budget": 24, "slack": 8, "recent": 8, "scope": "sequence"}, False),
+         ("scissorhands", {"budget": 24, "slack": 8, "history": 20}, False),
+         ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "scope": "sequence"}, False)]
 
 
 @pytest.mark.parametrize("chunk", [1, 7])
@@ -167,3 +184,18 @@ def test_policy_config_errors(tiny_loaded):
     with pytest.raises(ConfigError, match="paged"):
         _engine(tiny_loaded, "window", {"budget": 16}, kv_layout="contiguous", max_model_len=64)
     assert _engine(tiny_loaded, "window", {"budget": 16}).kv.prefix_tree is None
+
+
+def test_per_head_scope_keeps_different_rows_per_head(tiny_loaded, monkeypatch):
+    """The default scope moves rows head by head (on this random model ScissorHands' heads keep different
+    tokens; H2O's keep the oldest everywhere), which changes what is attended compared with one kept set per
+    sequence (test_policy_matches_naive_reference checks the per-head result itself)."""
+    from kvforge.kv.layer_format import LayerKV
+    calls, move_heads = [], LayerKV.move_heads
+    monkeypatch.setattr(LayerKV, "move_heads", lambda self, *a: (calls.append(1), move_heads(self, *a)))
+    options = {"budget": 24, "slack": 8, "history": 20}
+    per_head = position_logits(_engine(tiny_loaded, "scissorhands", options), TOKENS, chunk_size=7)
+    assert calls
+    shared = position_logits(_engine(tiny_loaded, "scissorhands", {**options, "scope": "sequence"}), TOKENS,
+                             chunk_size=7)
+    assert (per_head[60:] - shared[60:]).abs().max() > 1e-2

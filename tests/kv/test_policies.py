@@ -51,6 +51,15 @@ def test_h2o_mean_score_does_not_favour_age_and_sinks_stay():
     assert build_policy("h2o", {"budget": 3, "recent": 1, "sinks": 2, "slack": 0}).select(6, 3, state).tolist() == [0, 1, 5]
 
 
+def test_h2o_decay_weighs_older_attention_less():
+    p, state = build_policy("h2o", {"budget": 2, "recent": 1, "slack": 0, "decay": 0.5, "scope": "sequence"}), PolicyState()
+    first, second = torch.tensor([[0.9, 0.1, 0.0]]), torch.tensor([[0.2, 0.3, 0.5], [0.1, 0.6, 0.3]])
+    p.observe(state, first)
+    p.observe(state, second)
+    assert torch.allclose(state.scores, first[0] * 0.25 + second.sum(0))
+    assert p.keep(_seq(3, state=state)).tolist() == [1, 2]  # token 0 led once, token 1 leads lately
+
+
 def test_scissorhands_counts_persistent_importance():
     p = build_policy("scissorhands", {"budget": 3, "recent": 1, "slack": 0, "history": 2})
     state = PolicyState()
@@ -98,6 +107,8 @@ def test_top_with_recent_is_sorted_unique_and_has_recent(length, budget, num_rec
 
 @pytest.mark.parametrize("name,options", [("streaming", {"budget": 0.5}), ("streaming", {"budget": 4, "sinks": 4}),
                                           ("h2o", {"budget": 0}), ("h2o", {"budget": 4, "score": "max"}),
+                                          ("h2o", {"budget": 4, "decay": 0}), ("h2o", {"budget": 4, "scope": "block"}),
+                                          ("snapkv", {"budget": 4, "scope": "head"}),
                                           ("window", {"budget": 1.5}),
                                           ("snapkv", {"budget": 8, "kernel": 4}), ("window", {"budget": 8, "bogus": 1})])
 def test_bad_options_are_config_errors(name, options):

@@ -1,8 +1,11 @@
 """KVPolicy: which cached tokens of a sequence to keep (the protocol every eviction policy follows).
 
-One kept set per sequence, shared by every layer and KV head (attention statistics are summed over
-layers and heads), so a sequence keeps one block table. A policy sees the attention rows of the
-tokens the step just computed (when it asks for them) and answers the cache indices to keep.
+A policy sees the attention rows of the tokens the step just computed (when it asks for them) and answers
+the cache indices to keep. Scope "sequence": one kept set shared by every layer and KV head (statistics
+summed over both), indices [m]. Scope "layer" / "head" (h2o, scissorhands): each full-attention layer (and
+KV head) keeps its own top rows, indices [layers, heads or 1, m]; every layer keeps the same number, so a
+sequence still has one block table and one cache length (keys are stored after RoPE, so a row may hold a
+different token in each layer and head).
 """
 from __future__ import annotations
 
@@ -24,20 +27,32 @@ class PolicyState:
     pending: bool = False  # snapkv: votes are in, the prompt is compressed at the next keep()
     selected: bool = False  # snapkv: the prompt was compressed
 
-    def grow(self, length: int) -> None:
-        if self.scores.shape[0] < length:
-            self.scores = torch.cat([self.scores, self.scores.new_zeros(length - self.scores.shape[0])])
-        if self.seen.shape[0] < length:
-            self.seen = torch.cat([self.seen, self.seen.new_zeros(length - self.seen.shape[0])])
-        if self.history is not None and self.history.shape[1] < length:
-            pad = self.history.new_zeros(self.history.shape[0], length - self.history.shape[1])
-            self.history = torch.cat([self.history, pad], dim=1)
+    def grow(self, length: int, lead: tuple[int, ...] = ()) -> None:
+        """Pad every statistic to `length` cache indices; `lead` (layers, heads) shapes new per-layer ones."""
+        if lead and self.scores.dim() == 1 and self.scores.shape[0] == 0:
+            self.scores, self.seen = torch.zeros(*lead, 0), torch.zeros(*lead, 0)
+        self.scores, self.seen = _pad_last(self.scores, length), _pad_last(self.seen, length)
+        if self.history is not None:
+            self.history = _pad_last(self.history, length)
 
     def compact(self, keep: torch.Tensor) -> None:
-        self.scores = self.scores[keep]
-        self.seen = self.seen[keep] if self.seen.shape[0] else self.seen
+        """Keep cache indices `keep`: [m] for every layer, or [layers, heads or 1, m] per layer (and head)."""
+        self.scores = _take_last(self.scores, keep)
+        self.seen = _take_last(self.seen, keep) if self.seen.shape[-1] else self.seen
         if self.history is not None:
-            self.history = self.history[:, keep]
+            self.history = _take_last(self.history, keep)
+
+
+def _pad_last(x: torch.Tensor, length: int) -> torch.Tensor:
+    if x.shape[-1] >= length:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:-1], length - x.shape[-1])], dim=-1)
+
+
+def _take_last(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    if keep.dim() == 1:
+        return x[..., keep]
+    return x.gather(-1, keep.to(x.device).expand(*x.shape[:-1], keep.shape[-1]))
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,8 @@ class KVPolicy:
     name: ClassVar[str] = "full"
     registry: ClassVar[dict[str, type[KVPolicy]]] = {}
     needs_attention: ClassVar[bool] = False
+    sums_queries: ClassVar[bool] = False  # observe only needs attention summed over queries (per-layer stats sum early)
+    scopes: ClassVar[tuple[str, ...]] = ("sequence",)  # what may keep its own rows: sequence, layer, head
     rope_by_cache_index: ClassVar[bool] = False  # True: RoPE positions are cache indices (unbounded context)
 
     budget: int | float | None = None
@@ -76,6 +93,17 @@ class KVPolicy:
             raise ConfigError(f"{self.name}: budget must be a token count >= 1 or a fraction in (0, 1], got {b!r}")
         if not isinstance(self.slack, int) or self.slack < 0:
             raise ConfigError(f"{self.name}: slack must be an integer >= 0, got {self.slack!r}")
+        if self.scope not in self.scopes:
+            raise ConfigError(f"{self.name}: scope must be one of {', '.join(self.scopes)}, got {self.scope!r}")
+
+    @property
+    def scope(self) -> str:
+        """sequence: one kept set for all layers and heads; layer: one per layer; head: one per layer and KV head."""
+        return "sequence"
+
+    @property
+    def per_layer(self) -> bool:
+        return self.scope != "sequence"
 
     @property
     def evicts(self) -> bool:
@@ -96,8 +124,10 @@ class KVPolicy:
         """How many of this step's query rows (the last ones) the policy wants attention for."""
         return num_new if self.needs_attention else 0
 
-    def observe(self, state: PolicyState, attn: torch.Tensor) -> None:
-        """attn: [rows, cache_len] attention of this step's last rows, each row summing to 1."""
+    def observe(self, state: PolicyState, attn: torch.Tensor, queries: int | None = None) -> None:
+        """attn: [rows, cache_len] attention of this step's last rows, each row summing to 1; per-layer scopes
+        get [layers, heads or 1, rows, cache_len]. queries: the step's queries those rows stand for (more than
+        rows when, for a policy that `sums_queries`, the first row is the sum of several; default rows)."""
 
     def should_compact(self, seq: SequenceView) -> bool:
         if not self.evicts:
@@ -130,16 +160,19 @@ def recent(length: int, n: int) -> torch.Tensor:
 
 def top_with_recent(scores: torch.Tensor, budget: int, num_recent: int, sinks: int = 0) -> torch.Tensor:
     """The num_recent last indices, the first `sinks`, and the highest-scoring others, budget in all, sorted."""
-    length = scores.shape[0]
+    """scores: [length], or [..., length] for a kept set per leading index (then [..., budget])."""
+    length = scores.shape[-1]
     if budget >= length:
         return torch.arange(length)
     num_recent = min(num_recent, budget)
     older = length - num_recent
     if sinks:
         scores = scores.clone()
-        scores[: min(sinks, older)] = float("inf")
-    heavy = torch.topk(scores[:older], budget - num_recent).indices if budget > num_recent else scores.new_zeros(0).long()
-    return torch.sort(torch.cat([heavy, recent(length, num_recent)])).values
+        scores[..., : min(sinks, older)] = float("inf")
+    lead = scores.shape[:-1]
+    heavy = (torch.topk(scores[..., :older], budget - num_recent, dim=-1).indices if budget > num_recent
+             else torch.zeros(*lead, 0, dtype=torch.long))
+    return torch.sort(torch.cat([heavy, recent(length, num_recent).expand(*lead, -1)], dim=-1), dim=-1).values
 
 
 def build_policy(name: str | None, options: dict | None = None) -> KVPolicy:

@@ -32,9 +32,11 @@ def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
     (by +dropped), while the recent rows move as they are. Blocks past the kept rows go back to the allocator.
     """
     length, bs = kv.cache_len(seq), kv.block_size
-    m = int(keep.shape[0])
+    m = int(keep.shape[-1])
     if m >= length:
         return 0
+    if keep.dim() > 1:
+        return _compact_layers(kv, seq, keep.long().cpu(), length)
     keep = keep.long().cpu()
     index = torch.arange(m)
     moved = keep != index
@@ -53,6 +55,35 @@ def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
                     at = _slots(table, index[turned], bs)
                     k, v = layer.read_rows(at, bs)
                     layer.rewrite(at, rerotate(k, shift[turned], rotary), v)
+    kv.truncate(seq, m)
+    kv.record_evicted(seq, length - m)
+    return length - m
+
+
+def full_attention_layers(kv) -> list[int]:
+    """Model layers of the full-attention KV groups, in model order (the order attention statistics come in)."""
+    return sorted(layer for g in kv.full_groups for layer in kv.groups[g].layers)
+
+
+def _compact_layers(kv, seq, keep: torch.Tensor, length: int) -> int:
+    """keep: [layers, heads or 1, m], a kept set per full-attention layer (and KV head); each layer's rows move
+    (through LayerKV.move, or move_heads when its heads keep different rows) to indices 0..m-1."""
+    m, bs = keep.shape[-1], kv.block_size
+    index = torch.arange(m)
+    order = {layer: i for i, layer in enumerate(full_attention_layers(kv))}
+    device = kv.pool.slots[0].tensors()[0].device
+    for g in kv.full_groups:
+        table = torch.tensor(kv.block_table(seq, g)[: blocks_for_tokens(length, bs)], dtype=torch.long, device=device)
+        for layer_kv, layer in zip(kv.pool.slots, kv.groups[g].layers):
+            rows = keep[order[layer]]  # [heads or 1, m]
+            moved = (rows != index).any(0)
+            if not bool(moved.any()):
+                continue
+            dst = _slots(table, index[moved], bs)
+            if bool((rows == rows[:1]).all()):
+                layer_kv.move(_slots(table, rows[0, moved], bs), dst, bs)
+            else:
+                layer_kv.move_heads(_slots(table, rows[:, moved].T, bs), dst, bs)
     kv.truncate(seq, m)
     kv.record_evicted(seq, length - m)
     return length - m

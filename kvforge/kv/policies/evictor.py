@@ -42,19 +42,29 @@ class Evictor:
             return None
         rows = {i: self.policy.attention_rows(self.view(s), n) for i, (s, n) in enumerate(zip(seqs, num_new))}
         rows = {i: r for i, r in rows.items() if r}
-        return AttentionStats(rows) if rows else None
+        if not rows:
+            return None
+        if not self.policy.per_layer:
+            return AttentionStats(rows)
+        # queries that are not drafts are never rolled back: a policy that only sums queries sums them at once
+        settled = {i: max(0, r - len(seqs[i].draft_token_ids)) for i, r in rows.items()} if self.policy.sums_queries else {}
+        return AttentionStats(rows, per_layer=True, settled=settled)
 
     def after_step(self, seqs, stats: AttentionStats | None, rejected: dict[str, int] | None = None) -> None:
         """Feed the step's attention to each sequence's state (rows and keys of rejected drafts left out),
         then compact the ones over budget."""
         for i, seq in enumerate(seqs):
             view = self.view(seq)
-            attn = stats.sums.get(i) if stats is not None else None
             cut = (rejected or {}).get(seq.request_id, 0)
-            if attn is not None and cut:
+            if stats is not None and stats.per_layer:
+                found = stats.layer_attention(i, cut, per_head=self.policy.scope == "head")
+                if found is not None:
+                    self.policy.observe(view.state, *found)
+            elif stats is not None and i in stats.sums:
+                attn = stats.sums[i]
                 attn = attn[: attn.shape[0] - cut, : attn.shape[1] - cut] if attn.shape[0] > cut else None
-            if attn is not None:
-                self.policy.observe(view.state, attn / attn.sum(-1, keepdim=True))
+                if attn is not None:
+                    self.policy.observe(view.state, attn / attn.sum(-1, keepdim=True))
             keep = self.policy.keep(view)
             if keep is None:
                 continue

@@ -20,34 +20,45 @@ class H2OPolicy(KVPolicy):
     sinks: the first tokens of the sequence, always kept (StreamingLLM's attention sinks; default 0).
     score: "sum" (the paper: attention accumulated over every later query) or "mean" (that sum over the
         number of queries that could attend to the token, so old tokens are not favoured for their age).
-    Scores are summed over layers and heads (one kept set per sequence). Keys keep logical positions.
+    scope: "head" (the paper: each layer and KV head keeps its own heavy hitters), "layer" (heads summed),
+        or "sequence" (layers and heads summed: one kept set per sequence). Keys keep logical positions.
+    decay: each step first multiplies the scores by decay ** (its queries), so attention long ago counts
+        less (1.0, the default, is the paper's plain sum; near 0 keeps what the latest queries attend to).
     """
 
     name = "h2o"
     needs_attention = True
+    sums_queries = True
+    scopes = ("sequence", "layer", "head")
     recent: int | float = 0.75
     sinks: int = 0
     score: str = "sum"
+    scope: str = "head"
+    decay: float = 1.0
 
     def __post_init__(self):
         super().__post_init__()
         if self.score not in ("sum", "mean"):
             raise ConfigError(f"h2o: score must be 'sum' or 'mean', got {self.score!r}")
+        if not isinstance(self.decay, (int, float)) or not 0 < self.decay <= 1:
+            raise ConfigError(f"h2o: decay must be a number in (0, 1], got {self.decay!r}")
 
     def num_recent(self, budget: int) -> int:
         return int(self.recent * budget) if isinstance(self.recent, float) else min(self.recent, budget)
 
-    def observe(self, state: PolicyState, attn: torch.Tensor) -> None:
-        rows, length = attn.shape
-        state.grow(length)
-        state.scores[:length] += attn.sum(0)
+    def observe(self, state: PolicyState, attn: torch.Tensor, queries: int | None = None) -> None:
+        rows, length = attn.shape[-2:]
+        state.grow(length, attn.shape[:-2])
+        if self.decay < 1:
+            state.scores *= self.decay ** (queries or rows)
+        state.scores[..., :length] += attn.sum(-2)
         if self.score == "mean":
-            queries = torch.arange(length - rows, length)
-            state.seen[:length] += (torch.arange(length)[None, :] <= queries[:, None]).sum(0)
+            at = torch.arange(length - (queries or rows), length)
+            state.seen[..., :length] += (torch.arange(length)[None, :] <= at[:, None]).sum(0)
 
     def select(self, length: int, budget: int, state: PolicyState) -> torch.Tensor:
         state.grow(length)
-        scores = state.scores[:length]
+        scores = state.scores[..., :length]
         if self.score == "mean":
-            scores = scores / state.seen[:length].clamp_min(1)
+            scores = scores / state.seen[..., :length].clamp_min(1)
         return top_with_recent(scores, budget, self.num_recent(budget), self.sinks)

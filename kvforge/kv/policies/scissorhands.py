@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.kv.policies.base import KVPolicy, PolicyState, top_with_recent
+from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView, top_with_recent
 
 
 @dataclass
@@ -17,27 +17,33 @@ class ScissorhandsPolicy(KVPolicy):
     query's attention. Over the last `history` queries each token counts how often it was important;
     compaction keeps the `recent` newest tokens and the most persistently important others.
     recent: a token count or a fraction of the budget (default 0.25). sinks: the first tokens, always kept
-    (default 0). Layer- and head-summed attention.
+    (default 0). scope: "head" (each layer and KV head counts and keeps its own tokens), "layer", or
+    "sequence" (attention summed over layers and heads: one kept set per sequence).
     """
 
     name = "scissorhands"
     needs_attention = True
+    scopes = ("sequence", "layer", "head")
     history: int = 256
     recent: int | float = 0.25
     sinks: int = 0
+    scope: str = "head"
 
-    def observe(self, state: PolicyState, attn: torch.Tensor) -> None:
-        rows, length = attn.shape
+    def attention_rows(self, seq: SequenceView, num_new: int) -> int:
+        return min(num_new, self.history)  # older rows would fall out of the history at once
+
+    def observe(self, state: PolicyState, attn: torch.Tensor, queries: int | None = None) -> None:
+        rows, length = attn.shape[-2:]
         if state.history is None:
-            state.history = attn.new_zeros(0, length)
-        state.grow(length)
+            state.history = torch.zeros(0, *attn.shape[:-2], length, dtype=torch.bool)
+        state.grow(length, attn.shape[:-2])
         visible = torch.arange(length - rows + 1, length + 1, dtype=attn.dtype)
-        important = (attn > 1.0 / visible[:, None]).to(attn.dtype)
-        state.history = torch.cat([state.history[:, : length], important])[-self.history:]
+        important = (attn > 1.0 / visible[:, None]).movedim(-2, 0)  # [rows, ..., length]
+        state.history = torch.cat([state.history[..., : length], important])[-self.history:]
 
     def select(self, length: int, budget: int, state: PolicyState) -> torch.Tensor:
         state.grow(length)
-        counts = state.history.sum(0)[:length] if state.history is not None else torch.zeros(length)
+        counts = state.history.sum(0)[..., :length] if state.history is not None else torch.zeros(length)
         counts = counts + torch.arange(length) / (2.0 * length)  # ties go to the newer token
         recent = int(self.recent * budget) if isinstance(self.recent, float) else min(self.recent, budget)
         return top_with_recent(counts, budget, recent, self.sinks)

@@ -1,9 +1,15 @@
 """Attention statistics for policies, taken from the attention the engine computes anyway.
 
 A step that needs them carries an AttentionStats in its metadata: `rows` = {batch row: k} asks for
-the attention of the last k queries of that sequence; attention adds them, summed over heads and
-layers, into `sums[row]` as [k, context_len]. Decode rows reuse the explicit softmax of the decode
-path; prefill rows (which attend through SDPA) get their last k rows recomputed explicitly.
+the attention of the last k queries of that sequence. Each full-attention layer records each asked row
+once, in layer order, as [kv_heads, k, context_len] (query heads summed within their KV head).
+Decode rows reuse the explicit softmax of the decode path; prefill rows (which attend through SDPA)
+get their last k rows recomputed explicitly.
+
+- Sequence scope (`per_layer` False): `sums[row]` adds every layer and head up, [k, context_len].
+- Per-layer scope: `layers[row]` keeps one entry per layer, each (KV head, query) row normalized to sum 1.
+  The first `settled[row]` queries of a row (never rolled back: they are not drafts) are summed as they
+  arrive, so a long prefill chunk costs [kv_heads, context_len] per layer; the others stay one by one.
 """
 from __future__ import annotations
 
@@ -15,28 +21,58 @@ import torch
 @dataclass
 class AttentionStats:
     rows: dict[int, int]  # batch row -> trailing queries whose attention a KV policy wants
-    sums: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [k, context_len]
+    per_layer: bool = False
+    settled: dict[int, int] = field(default_factory=dict)  # row -> leading queries summed on arrival (per layer)
+    sums: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [k, context_len] (sequence scope)
+    layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
     def add(self, row: int, attn: torch.Tensor) -> None:
-        prev = self.sums.get(row)
-        self.sums[row] = attn if prev is None else prev + attn
+        """attn: [kv_heads, k, context_len], one layer's attention of row's asked queries."""
+        if not self.per_layer:
+            attn = attn.sum(0)
+            prev = self.sums.get(row)
+            self.sums[row] = attn if prev is None else prev + attn
+            return
+        attn = attn / attn.sum(-1, keepdim=True)
+        s = self.settled.get(row, 0)
+        self.layers.setdefault(row, []).append((attn[:, :s].sum(1), attn[:, s:]))
+
+    def layer_attention(self, row: int, cut: int = 0, per_head: bool = True) -> tuple[torch.Tensor, int] | None:
+        """Row's attention per layer as [layers, heads, r, keys] with the settled queries as one summed first
+        row, and the number of queries it stands for; the last `cut` queries and keys (rejected drafts) left
+        out. per_head False sums the KV heads (heads = 1). None when nothing is left."""
+        entries = self.layers.get(row)
+        if not entries:
+            return None
+        summed = torch.stack([s for s, _ in entries])  # [L, H, keys]
+        each = torch.stack([r for _, r in entries])  # [L, H, k - s, keys]
+        num_summed, num_each = self.settled.get(row, 0), each.shape[2] - cut
+        if num_summed + num_each <= 0:
+            return None
+        keys = summed.shape[-1] - cut
+        parts = ([summed[..., None, :keys]] if num_summed else []) + [each[:, :, :max(0, num_each), :keys]]
+        attn = torch.cat(parts, dim=2)
+        if not per_head:
+            attn = attn.sum(1, keepdim=True)
+        return attn, num_summed + max(0, num_each)
 
 
 def record_decode(stats: AttentionStats, rows: list[int], probs_sum: torch.Tensor, context_lens: list[int]) -> None:
-    """probs_sum: [len(rows), padded keys], the decode softmax of those rows summed over one layer's heads."""
+    """probs_sum: [len(rows), padded keys], the decode softmax of those rows summed over one layer's heads
+    (MLA: one latent KV head)."""
     for r, i in enumerate(rows):
         if stats.rows.get(i):
-            stats.add(i, probs_sum[r, : context_lens[i]][None].float())
+            stats.add(i, probs_sum[r, None, None, : context_lens[i]].float())
 
 
-def record_multi(stats: AttentionStats, rows: list[int], probs_sum: torch.Tensor, query_lens: list[int],
+def record_multi(stats: AttentionStats, rows: list[int], probs: torch.Tensor, query_lens: list[int],
                  context_lens: list[int]) -> None:
-    """probs_sum: [len(rows), M, padded keys] for rows of a few queries each, summed over one layer's heads."""
+    """probs: [len(rows), kv_heads, M, padded keys] for rows of a few queries each, query heads summed per KV head."""
     for r, i in enumerate(rows):
         k = stats.rows.get(i, 0)
         if k:
             n = query_lens[i]
-            stats.add(i, probs_sum[r, n - k: n, : context_lens[i]].float())
+            stats.add(i, probs[r, :, n - k: n, : context_lens[i]].float())
 
 
 def record_prefill(stats: AttentionStats, row: int, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor,
@@ -46,7 +82,8 @@ def record_prefill(stats: AttentionStats, row: int, q: torch.Tensor, k: torch.Te
     if not rows:
         return
     qt = q[-rows:].float()
-    kk = k[0].repeat_interleave(q.shape[1] // k.shape[1], dim=0)  # [heads, ctx, d]
+    kv_heads = k.shape[1]
+    kk = k[0].float().repeat_interleave(q.shape[1] // kv_heads, dim=0)  # [heads, ctx, d]
     scores = torch.einsum("rhd,hcd->hrc", qt, kk) * scale
     probs = torch.softmax(scores.masked_fill(~mask[-rows:], float("-inf")), dim=-1)
-    stats.add(row, probs.sum(0))
+    stats.add(row, probs.unflatten(0, (kv_heads, -1)).sum(1))

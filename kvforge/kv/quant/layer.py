@@ -170,6 +170,22 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
                 for p, rows in zip(ps, saved):
                     p.view(-1, *p.shape[2:])[dst[rest]] = rows[rest]
 
+    def move_heads(self, src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
+        """Head h of row dst[i] takes head h of row src[i, h] with its per-token codes and parameters as stored;
+        per-channel parts of the destination blocks are encoded again (once) from the decoded rows, and rows in
+        staged (fp16 window) blocks are held there as the fp16 of their decoded values."""
+        src, dst = src.long(), dst.long()
+        k, v = self.read_head_rows(src, block_size)
+        heads = torch.arange(src.shape[1], device=src.device)[None, :]
+        codes = [[p.view(-1, *p.shape[2:])[src, heads] for p in ps] if c.per_token else []
+                 for c, ps in zip(self.codecs, self.parts)]
+        if not self.direct:
+            self.write(dst, k, v)
+        self._set_sink_rows(dst, [k, v])
+        for ps, saved in zip(self.parts, codes):
+            for p, rows in zip(ps, saved):
+                p.view(-1, *p.shape[2:])[dst[:, None], heads] = rows
+
     def _whole_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Destination blocks whose rows all come from one source block at the same offsets, apart from rows
         their own sink entry covers and that stay: per row whether its block is one, those blocks, their
