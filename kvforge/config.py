@@ -33,6 +33,8 @@ class EngineConfig:
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh randomness every run
     kv_tiers: list[str] | None = None  # tiers below the pool, lookup order: "host:8GiB", "disk:PATH:100GiB", "redis://HOST:PORT"
     preemption_mode: str | None = None  # "recompute" | "swap"; None = swap when a KV policy evicts and a host tier exists
+    kv_tier_write_through: bool = False  # store a block in the first tier when it is cached, not only when it leaves the pool
+    kv_tier_fsync: bool = True  # disk tier: fsync each block file before its rename, and the directory after
     weights: str = "fp32"  # "int8": weight-only int8 linear layers (per-output-channel scales), fp32 activations
 
     def __post_init__(self):
@@ -74,6 +76,9 @@ class EngineConfig:
             self.kv_tiers = [self.kv_tiers]
         for text in self.kv_tiers or []:
             check_tier_spec(text)
+        for name in ("kv_tier_write_through", "kv_tier_fsync"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.kv_layout != "paged":

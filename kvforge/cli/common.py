@@ -40,6 +40,11 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     g.add_argument("--kv-tier", dest="kv_tiers", action="append", default=None, metavar="TIER",
                    help="a KV tier below the pool, repeatable, in lookup order: host:8GiB, disk:PATH:100GiB, "
                         "redis://HOST:PORT[/DB] (default: none)")
+    g.add_argument("--kv-tier-write-through", action="store_true",
+                   help="store a block in the first KV tier as soon as it is cached, not only when it leaves the pool "
+                        "(write-through, as in SGLang HiCache; default: write-back)")
+    g.add_argument("--no-kv-tier-fsync", action="store_true",
+                   help="do not fsync disk-tier block files (faster stores; a power cut may lose recent blocks)")
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
                    help="what a preempted sequence's KV does: recomputed later, or swapped to host memory "
                         "(default: swap when --kv-policy evicts and a host tier is set, else recompute)")
@@ -102,4 +107,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         **policy_kwargs(args),
         "kv_tiers": args.kv_tiers,
         "preemption_mode": args.preemption_mode,
+        "kv_tier_write_through": args.kv_tier_write_through,
+        "kv_tier_fsync": not args.no_kv_tier_fsync,
     }

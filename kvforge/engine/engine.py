@@ -69,8 +69,9 @@ class LLMEngine:
         if config.kv_tiers and len(self.groups) > 1:
             raise ConfigError(f"kv_tiers support models with one KV group; this model has {len(self.groups)} "
                               "(full and sliding-window layers); leave kv_tiers unset")
-        self.tiers = attach_tiers(self.kv, config.kv_tiers, self.loaded.model, self.format, self.spec) \
-            if config.kv_tiers else None
+        self.tiers = attach_tiers(self.kv, config.kv_tiers, self.loaded.model, self.format, self.spec,
+                                  write_through=config.kv_tier_write_through, fsync=config.kv_tier_fsync,
+                                  device=self.device) if config.kv_tiers else None
         self.preemption_mode = self._preemption_mode()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    self.preemption_mode)

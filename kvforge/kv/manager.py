@@ -208,7 +208,9 @@ class KVCacheManager(TierHooks, SwapHooks):
         if not state.prefix_nodes:
             state.prefix_nodes = [None] * len(self.groups)
         for g, (tree, table) in enumerate(zip(self.prefix_trees, state.block_tables)):
-            _, node = tree.insert(tokens, table[:full], salt=req.cache_salt)
+            cached, node = tree.insert(tokens, table[:full], salt=req.cache_salt)
+            if g == 0:
+                self._write_through(tokens, req.cache_salt, table[:full], cached)
             tree.lock(node)
             if state.prefix_nodes[g] is not None:
                 tree.unlock(state.prefix_nodes[g])

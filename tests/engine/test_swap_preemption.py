@@ -18,8 +18,9 @@ PROMPTS = [[(i * 13 + j * 5) % 90 + 3 for j in range(20)] for i in range(6)]
 def engine(loaded, blocks, fmt="fp32", opts=None, **kw):
     spec = loaded.config.kv_cache_spec()
     memory = pool_bytes(spec, get_format(fmt, **(opts or {})), 4, blocks, 64)
+    kw.setdefault("enable_prefix_caching", False)
     cfg = EngineConfig(kv_cache_memory=memory, block_size=4, max_model_len=64, max_num_seqs=64, max_num_batched_tokens=64,
-                       enable_prefix_caching=False, kv_cache_dtype=fmt, kv_cache_options=opts, **kw)
+                       kv_cache_dtype=fmt, kv_cache_options=opts, **kw)
     return LLMEngine(cfg, loaded)
 
 
@@ -65,3 +66,28 @@ def test_swapped_blocks_lost_fall_back_to_recompute(tiny_loaded):
     assert run(e) == roomy
     s = e.stats()
     assert s["preemptions"] > 0 and s["swap_failures"] > 0 and e.kv.allocator.num_free == e.kv.num_blocks
+
+
+def test_swapped_request_reclaims_idle_prefix_blocks_to_come_back(tiny_loaded):
+    """Idle prefix-cache blocks must not keep a swapped request out forever (they are reclaimed for it)."""
+    from kvforge.engine.scheduler import ScheduledBatch
+
+    e = engine(tiny_loaded, 24, kv_tiers=["host:1MiB"], preemption_mode="swap", enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    rid = e.add_request([(j * 7) % 90 + 3 for j in range(40)], params)  # 10 blocks
+    e.step()
+    seq = e.requests[rid]
+    e.scheduler.running.remove(seq)
+    e.scheduler._preempt(seq, ScheduledBatch())  # swapped out: the pool is empty again
+    assert e.kv.is_swapped(seq)
+    e.scheduler.waiting.remove(seq)
+    other = e.add_request([(j * 11) % 90 + 3 for j in range(56)], params)  # leaves 14 idle blocks in the tree
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.kv.allocator.num_free < 11 and e.requests.get(other) is None
+    e.scheduler.waiting.append(seq)
+    for _ in range(50):
+        if not e.has_unfinished_requests():
+            break
+        e.step()
+    assert not e.has_unfinished_requests() and e.kv.swapped_in_blocks == 10

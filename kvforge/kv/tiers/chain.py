@@ -37,12 +37,17 @@ class TierChain:
 
     def lookup(self, keys: list[BlockKey]) -> list[int | None]:
         """For each key, the index of the first tier holding it (-1: a store still queued), None: nowhere;
-        tiers are asked only up to the first key no tier holds."""
+        tiers are asked only up to the first key no tier holds. A queued block counts as a hit of the first tier
+        (it is on its way there)."""
         where: list[int | None] = [None] * len(keys)
         with self._lock:
             for i, k in enumerate(keys):
                 if k in self.pending:
                     where[i] = -1
+        queued = where.count(-1)
+        if queued and self.tiers:
+            self.stats[0].queried_blocks += queued
+            self.stats[0].hit_blocks += queued
         for t, tier in enumerate(self.tiers):
             ask = [i for i, w in enumerate(where) if w is None]
             if not ask:
@@ -68,9 +73,13 @@ class TierChain:
         """Payloads of keys found by `lookup` (None: unreadable). A key missing from its tier is looked for further
         down (the store worker may have pushed it there meanwhile); a failure counts against the tier it was in."""
         out: list[bytes | None] = [None] * len(keys)
+        start = time.perf_counter()
         with self._lock:
             for i, k in enumerate(keys):
                 out[i] = self.pending.get(k)
+        queued = [p for p in out if p is not None]
+        if queued and self.tiers:
+            self.stats[0].loaded(len(queued), sum(len(p) for p in queued), time.perf_counter() - start)
         for t, tier in enumerate(self.tiers):
             # -1: queued at lookup time; the worker may have stored it since, so every tier is asked in turn
             ask = [i for i, w in enumerate(where) if w is not None and w <= t and out[i] is None]
@@ -144,17 +153,32 @@ class TierChain:
                 self._queue.task_done()
 
     def _put_down(self, t: int, items: list[tuple[BlockKey, bytes]]) -> None:
+        """Write items to tier t; what it pushes out goes on down. A pushed block stays in `pending` until the next
+        tier has it, so lookups never miss a block in transit (a slow disk write, an fsync)."""
+        moving: list[tuple[BlockKey, bytes]] = []
         while t < len(self.tiers) and items:
             start = time.perf_counter()
             pushed = self._call(t, self.tiers[t].put, items, default=None, load=False)
             seconds = time.perf_counter() - start
+            self._forget_pending(moving)
             if pushed is None:
                 return
             pushed_keys = {k for k, _ in pushed}
             kept = [(k, v) for k, v in items if k not in pushed_keys]
             self.stats[t].stored(len(kept), sum(len(v) for _, v in kept), seconds)
             self.stats[t].evicted_blocks += len(pushed) - (len(items) - len(kept))
+            moving = [(k, v) for k, v in pushed if t + 1 < len(self.tiers)]
+            with self._lock:
+                for k, v in moving:
+                    self.pending.setdefault(k, v)
             items, t = pushed, t + 1
+        self._forget_pending(moving)
+
+    def _forget_pending(self, items: list[tuple[BlockKey, bytes]]) -> None:
+        with self._lock:
+            for k, v in items:
+                if self.pending.get(k) is v:
+                    del self.pending[k]
 
     def _call(self, t: int, fn, arg, default, load: bool | None):
         """fn(arg), or `default` when the tier fails; the failure counts as failed loads (lookups), failed stores,

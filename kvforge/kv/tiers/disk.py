@@ -1,6 +1,8 @@
 """DiskTier: one file per block in a directory, under a byte budget; survives restarts.
 
-Files are written to a temporary name and renamed into place, so a reader sees a whole entry or none.
+Files are written to a temporary name and renamed into place, so a reader sees a whole entry or none; with
+`fsync` (the default) the file is synced before the rename and the directory after, so a power cut cannot leave
+a renamed file whose bytes never reached the disk.
 Each file is an entry (kvforge.kv.tiers.entry: header with key, format and checksum); a file that fails
 its checks on read (truncated, corrupted, another layout) is a miss and is removed. At start the tier
 indexes the files already there, oldest first, so a new engine finds what an earlier one stored.
@@ -25,8 +27,10 @@ _tmp_ids = itertools.count()
 class DiskTier(Tier):
     name = "disk"
 
-    def __init__(self, directory: str, capacity_bytes: int, description: str, cold_reads: bool = False):
+    def __init__(self, directory: str, capacity_bytes: int, description: str, cold_reads: bool = False,
+                 fsync: bool = True):
         self.directory, self.capacity_bytes, self.description = directory, capacity_bytes, description
+        self.fsync = fsync  # each file reaches the disk before its rename, and the rename before the next write
         self.cold_reads = cold_reads  # drop each file from the page cache before reading it (benchmarks)
         self.corrupt_files = 0
         os.makedirs(directory, exist_ok=True)
@@ -92,6 +96,8 @@ class DiskTier(Tier):
             try:
                 with open(tmp, "wb") as f:
                     f.write(data)
+                    if self.fsync:
+                        os.fsync(f.fileno())
                 os.replace(tmp, path)
             except OSError:
                 _remove(tmp)
@@ -105,6 +111,8 @@ class DiskTier(Tier):
                     self._used -= size
                     victims.append(name)
             pushed += self._take(victims)
+        if self.fsync and items:
+            _fsync_dir(self.directory)  # once per batch: the renames above reach the disk
         return pushed
 
     def _take(self, names: list[str]) -> list[tuple[BlockKey, bytes]]:
@@ -138,6 +146,14 @@ class DiskTier(Tier):
 
     def used_bytes(self):
         return self._used
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: str) -> None:

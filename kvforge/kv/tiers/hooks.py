@@ -1,7 +1,8 @@
 """TierHooks: the KVCacheManager's side of the tiers (a mixin, so manager.py stays one concept).
 
-Reclaim -> store: blocks the prefix tree gives back are exported (on the engine thread, before they can be
-reused) and queued for the tier chain's store worker. Admission -> load: after the pool's longest match,
+Reclaim -> store (write-back): blocks the prefix tree gives back are exported (on the engine thread, before they
+can be reused) and queued for the tier chain's store worker. With `write_through` (as in SGLang HiCache) a block is
+stored when it enters the prefix tree instead, so reclaiming it later only frees it. Admission -> load: after the pool's longest match,
 the match continues block by block through the tiers; hit blocks get pool blocks at once, their bytes are
 fetched by the chain's load worker, and the request waits (the scheduler's `loading` list) until
 `finish_load` imports them and puts them in the prefix tree. It never runs on half-loaded K/V.
@@ -24,11 +25,19 @@ class TierHooks:
     tiers = None  # kvforge.kv.tiers.chain.TierChain, set by attach_tiers
     keys = None  # kvforge.kv.tiers.keys.KeySpace
     tier_hit_tokens = 0  # prompt tokens loaded from tiers (also counted in prefix_hit_tokens)
+    write_through = False
 
-    def attach_tiers(self, tiers, keys) -> None:
-        self.tiers, self.keys = tiers, keys
-        if self.prefix_tree is not None:
+    def attach_tiers(self, tiers, keys, write_through: bool = False) -> None:
+        self.tiers, self.keys, self.write_through = tiers, keys, write_through
+        if self.prefix_tree is not None and not write_through:
             self.prefix_tree.on_reclaim = self._store_reclaimed
+
+    def _write_through(self, tokens: list[int], salt: str | None, block_ids: list[int], cached_tokens: int) -> None:
+        """Store the blocks that just entered the prefix tree (those after its `cached_tokens`), with write-through."""
+        first = cached_tokens // self.block_size
+        if self.write_through and self.tiers is not None and first < len(block_ids):
+            keys = self.keys.chain(tokens, salt)[first:len(block_ids)]
+            self.tiers.store(list(zip(keys, self.pool.export_blocks(block_ids[first:]))))
 
     def _store_reclaimed(self, node) -> None:
         salt, tokens = self.prefix_tree.path(node)

@@ -1,8 +1,14 @@
-"""HostTier: block payloads in process memory under a byte budget, least recently used pushed out first."""
+"""HostTier: block payloads in process memory under a byte budget, least recently used pushed out first.
+
+With `pin` (the pool is on a CUDA device) each payload is copied once into pinned memory, so its way to the
+device is a DMA at full bus speed; readers get a memoryview of it. On CPU payloads stay the bytes they came as.
+"""
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+
+import torch
 
 from kvforge.kv.tiers.base import Tier
 from kvforge.kv.tiers.keys import BlockKey
@@ -11,8 +17,8 @@ from kvforge.kv.tiers.keys import BlockKey
 class HostTier(Tier):
     name = "host"
 
-    def __init__(self, capacity_bytes: int):
-        self.capacity_bytes = capacity_bytes
+    def __init__(self, capacity_bytes: int, pin: bool = False):
+        self.capacity_bytes, self.pin = capacity_bytes, pin
         self._entries: OrderedDict[BlockKey, bytes] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
@@ -43,6 +49,8 @@ class HostTier(Tier):
                 if len(payload) > self.capacity_bytes:
                     pushed.append((key, payload))
                     continue
+                if self.pin:
+                    payload = _pinned(payload)
                 old = self._entries.pop(key, None)
                 self._used -= len(old) if old is not None else 0
                 self._entries[key] = payload
@@ -64,3 +72,9 @@ class HostTier(Tier):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _pinned(payload) -> memoryview:
+    buf = torch.empty(len(payload), dtype=torch.uint8).pin_memory()
+    buf.numpy()[:] = memoryview(payload).cast("B")
+    return memoryview(buf.numpy())

@@ -19,8 +19,16 @@ def layout_description(fmt: KVFormat, spec: KVCacheSpec, block_size: int) -> str
             f"dims={spec.head_dim}/{spec.v_head_dim}")
 
 
-def attach_tiers(kv, tier_specs: list[str], model: torch.nn.Module, fmt: KVFormat, spec: KVCacheSpec) -> TierChain:
-    tiers = build_tiers(tier_specs, layout_description(fmt, spec, kv.block_size))
+def pin_host_memory(device: torch.device | str) -> bool:
+    """Host tier payloads go in pinned (page-locked) memory when the pool is on a CUDA device that is present:
+    copies to the device then run at full bus speed. On CPU pinning buys nothing, so it is off."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def attach_tiers(kv, tier_specs: list[str], model: torch.nn.Module, fmt: KVFormat, spec: KVCacheSpec,
+                 write_through: bool = False, fsync: bool = True, device: torch.device | str = "cpu") -> TierChain:
+    tiers = build_tiers(tier_specs, layout_description(fmt, spec, kv.block_size), pin=pin_host_memory(device),
+                        fsync=fsync)
     chain = TierChain(tiers, kv.block_size)
-    kv.attach_tiers(chain, KeySpace(weights_fingerprint(model), fmt, kv.block_size, spec))
+    kv.attach_tiers(chain, KeySpace(weights_fingerprint(model), fmt, kv.block_size, spec), write_through)
     return chain

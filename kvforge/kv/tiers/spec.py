@@ -37,8 +37,9 @@ def check_tier_spec(text: object) -> None:
         raise ConfigError(f"bad KV tier {text!r}; use {ALLOWED}")
 
 
-def build_tier(text: str, description: str) -> Tier:
-    """Open the tier `text` names; `description` (the engine's format and shapes) goes into stored headers."""
+def build_tier(text: str, description: str, pin: bool = False, fsync: bool = True) -> Tier:
+    """Open the tier `text` names; `description` (the engine's format and shapes) goes into stored headers;
+    `pin`: a host tier keeps payloads in pinned memory; `fsync`: a disk tier syncs each file it writes."""
     check_tier_spec(text)
     if text.startswith("redis://"):
         from kvforge.kv.tiers.redis_tier import RedisTier
@@ -48,18 +49,18 @@ def build_tier(text: str, description: str) -> Tier:
     if kind == "host":
         from kvforge.kv.tiers.host import HostTier
 
-        return HostTier(_size(rest, text))
+        return HostTier(_size(rest, text), pin=pin)
     from kvforge.kv.tiers.disk import DiskTier
 
     path, _, size = rest.rpartition(":")
-    return DiskTier(path, _size(size, text), description)
+    return DiskTier(path, _size(size, text), description, fsync=fsync)
 
 
-def build_tiers(texts: list[str], description: str) -> list[Tier]:
+def build_tiers(texts: list[str], description: str, pin: bool = False, fsync: bool = True) -> list[Tier]:
     tiers, seen = [], {}
     try:
         for text in texts:
-            tier = build_tier(text, description)
+            tier = build_tier(text, description, pin, fsync)
             seen[tier.name] = seen.get(tier.name, 0) + 1
             if seen[tier.name] > 1:
                 tier.name = f"{tier.name}{seen[tier.name]}"

@@ -40,7 +40,12 @@ class SwapHooks:
         return req.request_id in self.swapped
 
     def can_swap_in(self, req) -> bool:
-        return self.allocator.can_allocate(len(self.swapped[req.request_id].keys) + 1)
+        """Room for the request's blocks and one more (its next token), idle prefix-cache blocks reclaimed for it;
+        without that a swapped request could wait forever behind blocks nobody uses."""
+        need = min(len(self.swapped[req.request_id].keys) + 1, self.allocator.num_blocks)
+        if not self.allocator.can_allocate(need):
+            self._reclaim(need - self.allocator.num_free)
+        return self.allocator.can_allocate(need)
 
     def swap_out(self, req) -> bool:
         """Move req's blocks to the first tier and free them; False when there is nothing to swap to."""

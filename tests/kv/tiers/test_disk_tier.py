@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tier_helpers import ask_each, docs, engine, twice
+from tier_helpers import ask_each, ask_flushed, docs, engine, twice
 
 from kvforge.kv.tiers.disk import SUFFIX, DiskTier
 from kvforge.kv.tiers.keys import BlockKey
@@ -59,7 +59,7 @@ def test_engine_restart_finds_blocks_on_disk(tiny_loaded, tmp_path):
 def test_host_then_disk_demotes_and_outputs_match(tiny_loaded, tmp_path):
     off = twice(engine(tiny_loaded))
     e = engine(tiny_loaded, tiers=["host:8KiB", f"disk:{tmp_path}:16MiB"])
-    on = twice(e)
+    on = ask_flushed(e, docs() + docs())
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     s = e.stats()
     assert s["tier_host_evicted_blocks"] > 0 and s["tier_disk_stored_blocks"] > 0

@@ -1,7 +1,7 @@
 """Tier statistics reach engine.stats(), generate --json and /metrics; `kvforge memory` sizes tiers in tokens."""
 from __future__ import annotations
 
-from tier_helpers import engine, twice
+from tier_helpers import ask_flushed, docs, engine
 
 from kvforge.cli.generate import kv_stats
 from kvforge.cli.memory import tier_capacity
@@ -10,8 +10,7 @@ from kvforge.server.metrics import ServerMetrics
 
 def test_stats_json_and_metrics_carry_tier_counters(tiny_loaded, tmp_path):
     e = engine(tiny_loaded, tiers=["host:8KiB", f"disk:{tmp_path}:1MiB"])
-    outs = twice(e)
-    e.tiers.flush()
+    outs = ask_flushed(e, docs() + docs())
     s = e.stats()
     assert s["kv_tiers"] == ["host", "disk"] and s["tier_hit_tokens"] == 4 * 32
     assert s["tier_host_hit_tokens"] + s["tier_disk_hit_tokens"] == 4 * 32

@@ -35,5 +35,15 @@ def ask_each(e: LLMEngine, prompts: list[list[int]], salt: str | None = None) ->
     return outs
 
 
+def ask_flushed(e: LLMEngine, prompts: list[list[int]]) -> list:
+    """ask_each with the tier stores written after each request (else the next may read them from the store
+    queue, which counts as a hit of the first tier), so tier counters do not depend on thread timing."""
+    outs = []
+    for p in prompts:
+        outs += ask_each(e, [p])
+        e.tiers.flush()
+    return outs
+
+
 def twice(e: LLMEngine, n: int = 4) -> list:
     return ask_each(e, docs(n) + docs(n))
