@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kvforge.kv.layer_format import LayerKV
 from kvforge.kv.policies.stats import AttentionStats, record_multi, record_prefill
-from kvforge.ops import paged_decode
+from kvforge.ops import paged_attend, paged_decode
 
 DECODE_BUCKETS = 4
 MULTI_QUERY_MAX = 8  # rows of 2..8 queries (speculative verification, short chunks) attend batched, not one by one
@@ -54,6 +54,7 @@ class AttentionMetadata:
         self._one_query_cache = None
         self._all_decode_cache = None
         self._multi_cache = None
+        self._short_cache = None
         self._prefill_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def for_layer(self, layer: int) -> AttentionMetadata:
@@ -91,6 +92,23 @@ class AttentionMetadata:
             q_index = None if identity else torch.tensor([self.query_start_loc[i] for i in rows], device=device)
             self._all_decode_cache = q_index, table.to(device), lens
         return self._all_decode_cache
+
+    def all_short(self, device) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every decode and multi-query row in one batch for the compiled multi-query operator: (query index, None
+        when those rows are all rows in order; query starts [B + 1]; block table [B, W]; lengths [B])."""
+        if self._short_cache is None:
+            rows = sorted(self.decode_rows + self.multi_rows)
+            counts = [self.query_lens[i] for i in rows]
+            width = max(len(self.block_tables[i]) for i in rows)
+            table = torch.tensor([self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in rows],
+                                 dtype=torch.long)
+            starts = torch.tensor([0] + counts, dtype=torch.long).cumsum(0)
+            lens = torch.tensor([self.context_lens[i] for i in rows], dtype=torch.long)
+            identity = len(rows) == len(self.query_lens)
+            q_index = None if identity else torch.cat(
+                [torch.arange(self.query_start_loc[i], self.query_start_loc[i] + n) for i, n in zip(rows, counts)])
+            self._short_cache = None if q_index is None else q_index.to(device), starts, table.to(device), lens
+        return self._short_cache
 
     def _layout(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(len(self.block_tables[i]) for i in rows)
@@ -142,43 +160,56 @@ class AttentionMetadata:
         return self._prefill_cache[i]
 
 
-def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, dim] -> [T, heads, v_dim] attention output over the cached history."""
-    out, compiled = None, False
-    if meta.decode_rows and not meta.stats:  # the compiled operator (KV policies read probabilities: torch path)
-        q_index, table, lens = meta.all_decode(q.device)
-        dec = paged_decode(q if q_index is None else q[q_index], cache, table, lens, scale, meta.sliding_window)
-        if dec is not None and q_index is None:
+def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float,
+           softcap: float | None = None) -> torch.Tensor:
+    """q: [T, heads, dim] -> [T, heads, v_dim] attention output over the cached history. `softcap` (Gemma 2's
+    attn_logit_softcapping) bounds the scaled scores to softcap * tanh(scores / softcap); the compiled operators
+    have no soft-capping, so such layers run the torch path, as do KV policies (they read probabilities)."""
+    out = None
+    compiled = _short_rows_compiled(q, cache, meta, scale) if not (meta.stats or softcap) else None
+    if compiled is not None:
+        q_index, dec = compiled
+        if q_index is None:
             return dec
-        if dec is not None:
-            out, compiled = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1]), True
-            out[q_index] = dec
-    groups = [] if compiled else meta.one_query_groups(q.device)
-    for rows, table, valid, q_index, q_ctx in groups + meta.multi_groups(q.device):
-        dec = _decode(q, cache, meta, scale, rows, table, valid, q_index, q_ctx)
+        out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
+        out[q_index] = dec
+    groups = [] if compiled else meta.one_query_groups(q.device) + meta.multi_groups(q.device)
+    for rows, table, valid, q_index, q_ctx in groups:
+        dec = _decode(q, cache, meta, scale, rows, table, valid, q_index, q_ctx, softcap)
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], dec.shape[-1])
         out[q_index.flatten()] = dec
     for i in meta.prefill_rows:
         start, n = meta.query_start_loc[i], meta.query_lens[i]
-        res = _prefill_one(q[start : start + n], cache, meta, i, scale)
+        res = _prefill_one(q[start : start + n], cache, meta, i, scale, softcap)
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], res.shape[-1])
         out[start : start + n] = res
     return out
 
 
+def _short_rows_compiled(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata,
+                         scale: float) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """Every decode and multi-query row through one compiled operator call: (their query index, None when they are
+    all rows in order; their output), or None when there are none or no compiled kernel for this cache."""
+    if meta.multi_rows:
+        q_index, starts, table, lens = meta.all_short(q.device)
+        out = paged_attend(q if q_index is None else q[q_index], cache, starts, table, lens, scale, meta.sliding_window)
+    elif meta.decode_rows:
+        q_index, table, lens = meta.all_decode(q.device)
+        out = paged_decode(q if q_index is None else q[q_index], cache, table, lens, scale, meta.sliding_window)
+    else:
+        return None
+    return None if out is None else (q_index, out)
+
+
 def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rows: list[int],
-            table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor, q_ctx: torch.Tensor) -> torch.Tensor:
+            table: torch.Tensor, valid: torch.Tensor, q_index: torch.Tensor, q_ctx: torch.Tensor,
+            softcap: float | None = None) -> torch.Tensor:
     """Rows of M queries each (M = 1 for plain decode), padded into one batch: valid [B, M, keys], q_index and
     q_ctx (keys each query sees) [B, M] -> [B * M, heads, v_dim] in q_index order."""
     b, width = table.shape
     m = q_index.shape[1]
-    if not meta.stats:  # the compiled operator (KV policies read probabilities, which only the torch path keeps)
-        out = paged_decode(q[q_index.flatten()], cache, table if m == 1 else table.repeat_interleave(m, 0),
-                           q_ctx.flatten(), scale, meta.sliding_window)
-        if out is not None:
-            return out
     k, v = cache.gather(table.flatten())
     kv_heads, length = k.shape[1], width * meta.block_size
     k, v = k.view(b, length, kv_heads, -1), v.view(b, length, kv_heads, -1)
@@ -187,7 +218,7 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
     mask = ~valid.repeat_interleave(group, dim=1)  # [B, M * group, keys]
     out, per_head = [], []
     for h in range(kv_heads):
-        scores = torch.bmm(qd[:, :, h].reshape(b, m * group, -1), k[:, :, h].transpose(1, 2)) * scale
+        scores = _cap(torch.bmm(qd[:, :, h].reshape(b, m * group, -1), k[:, :, h].transpose(1, 2)) * scale, softcap)
         probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
         out.append(torch.bmm(probs, v[:, :, h]).view(b, m, group, -1))
         if meta.stats:
@@ -208,11 +239,21 @@ def prefill_history(cache: LayerKV, meta: AttentionMetadata, i: int,
     return k, v, mask
 
 
-def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if not softcap else torch.tanh(scores / softcap) * softcap
+
+
+def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int, scale: float,
+                 softcap: float | None = None) -> torch.Tensor:
     k, v, mask = prefill_history(cache, meta, i, q.device)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    qh = q.transpose(0, 1)[None]
+    if softcap:  # scaled_dot_product_attention has no soft-capping: scores written out
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = _cap(qh @ k.transpose(-1, -2) * scale, softcap).masked_fill_(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v
+    else:
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     if meta.stats:
         record_prefill(meta.stats, i, q, k, mask, scale)
     return out[0].transpose(0, 1)

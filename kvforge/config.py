@@ -8,6 +8,7 @@ from kvforge.errors import ConfigError
 
 KV_LAYOUTS = ("paged", "contiguous")
 PREEMPTION_MODES = (None, "recompute", "swap")
+WEIGHT_KINDS = ("fp32", "int8")
 
 
 @dataclass
@@ -32,6 +33,7 @@ class EngineConfig:
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh randomness every run
     kv_tiers: list[str] | None = None  # tiers below the pool, lookup order: "host:8GiB", "disk:PATH:100GiB", "redis://HOST:PORT"
     preemption_mode: str | None = None  # "recompute" | "swap"; None = swap when a KV policy evicts and a host tier exists
+    weights: str = "fp32"  # "int8": weight-only int8 linear layers (per-output-channel scales), fp32 activations
 
     def __post_init__(self):
         if isinstance(self.kv_cache_memory, str):
@@ -50,6 +52,7 @@ class EngineConfig:
              f"kv_cache_memory must be a positive number of bytes or None, got {self.kv_cache_memory!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}"),
             (0 < self.kv_cache_memory_fraction <= 0.95, f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}"),
+            (self.weights in WEIGHT_KINDS, f"weights must be one of {WEIGHT_KINDS}, got {self.weights!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -36,14 +36,14 @@ def hf_config(kind: str):
 
 
 def _gemma_config(kind: str):
-    """Gemma 2: final logit soft-cap, alternating layers. Gemma 3: QK-norm, linear-scaled global RoPE, a local base.
+    """Gemma 2: attention and final logit soft-caps (the attention cap low enough to bind), alternating layers. Gemma 3: QK-norm, linear-scaled global RoPE, a local base.
     Windows are shorter than the tests' sequences; query_pre_attn_scalar differs from head_dim."""
     import transformers as tf
 
     common = {**TINY, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 12,
               "initializer_range": 0.2}
     if kind == "gemma2":
-        return tf.Gemma2Config(**common, attn_logit_softcapping=None, final_logit_softcapping=3.0)
+        return tf.Gemma2Config(**common, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
     return tf.Gemma3TextConfig(**{**common, "rope_theta": None, "num_hidden_layers": 3}, rope_parameters=rope,

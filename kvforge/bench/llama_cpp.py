@@ -10,10 +10,11 @@ engine with an fp32 KV cache and every prompt of a batch size in one step.
 from __future__ import annotations
 
 import random
-import time
+import statistics
 
 import torch
 
+from kvforge.bench.timing import Clock, Timing
 from kvforge.bench.workload import random_tokens
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
@@ -39,82 +40,111 @@ def prompts_for(pl: int, npp: int, vocab_size: int, seed: int) -> list[list[int]
     return [random_tokens(rng, npp, vocab_size) for _ in range(pl)]
 
 
-def run_kvforge(loaded, npp: int, ntg: int, npl: list[int], seed: int) -> dict:
-    most = max(npl)
-    budget = budget_for(loaded.config.kv_cache_spec(), get_format("fp32"), 16, npp + ntg + 16, most, 1)
-    engine = LLMEngine(EngineConfig(max_num_seqs=most, max_num_batched_tokens=max(most * npp, 512),
-                                    kv_cache_memory=budget, max_model_len=npp + ntg + 16,
-                                    enable_prefix_caching=False), loaded)
-    _kvforge_round(engine, [random_tokens(random.Random(-1), min(npp, 16), loaded.config.vocab_size)], 2)  # warm
-    rows = {}
-    for pl in npl:
-        prefill, decode = _kvforge_round(engine, prompts_for(pl, npp, loaded.config.vocab_size, seed), ntg)
-        rows[f"b{pl}"] = _row(pl, npp, ntg, prefill, decode)
-    return rows
+class KvforgeRunner:
+    """kvforge's side of a round: an engine sized for the largest batch, prompts prefilled in one step."""
+
+    def __init__(self, loaded, npp: int, ntg: int, most: int, weights: str = "fp32"):
+        budget = budget_for(loaded.config.kv_cache_spec(), get_format("fp32"), 16, npp + ntg + 16, most, 1)
+        self.engine = LLMEngine(EngineConfig(max_num_seqs=most, max_num_batched_tokens=max(most * npp, 512),
+                                             kv_cache_memory=budget, max_model_len=npp + ntg + 16,
+                                             enable_prefix_caching=False, weights=weights), loaded)
+
+    def round(self, prompts: list[list[int]], ntg: int) -> Timing:
+        engine = self.engine
+        params = SamplingParams(temperature=0, max_tokens=ntg + 1, ignore_eos=True)
+        pending = {engine.add_request(p, params) for p in prompts}
+        clock = Clock()
+        while pending:
+            pending -= {o.request_id for o in engine.step()}
+        prefilled = clock.split()
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        if steps != ntg:
+            raise RuntimeError(f"kvforge decoded in {steps} steps, expected {ntg} (prefill did not finish in one step)")
+        return Timing(prefilled, clock.split())
+
+    def close(self) -> None:
+        pass
 
 
-def _kvforge_round(engine: LLMEngine, prompts: list[list[int]], ntg: int) -> tuple[float, float]:
-    params = SamplingParams(temperature=0, max_tokens=ntg + 1, ignore_eos=True)
-    pending = {engine.add_request(p, params) for p in prompts}
-    start = time.perf_counter()
-    while pending:
-        pending -= {o.request_id for o in engine.step()}
-    prefilled = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    if steps != ntg:
-        raise RuntimeError(f"kvforge decoded in {steps} steps, expected {ntg} (prefill did not finish in one step)")
-    return prefilled - start, time.perf_counter() - prefilled
+def measure(runners: dict, npp: int, ntg: int, npl: list[int], rounds: int, vocab_size: int, seed: int) -> dict:
+    """Each batch size runs every side once per round, sides alternating, so load drifts hit both alike;
+    each figure is the median over rounds."""
+    warm = [random_tokens(random.Random(-1), min(npp, 16), vocab_size)]
+    for runner in runners.values():
+        runner.round(warm, 2)
+    samples = {side: {pl: [] for pl in npl} for side in runners}
+    for r in range(rounds):
+        for pl in npl:
+            prompts = prompts_for(pl, npp, vocab_size, seed)
+            order = list(runners) if r % 2 == 0 else list(reversed(runners))
+            for side in order:
+                samples[side][pl].append(runners[side].round(prompts, ntg))
+    return {side: {f"b{pl}": _row(pl, npp, ntg, rows) for pl, rows in by_pl.items()}
+            for side, by_pl in samples.items()}
 
 
-def run_llama_cpp(gguf_path: str, npp: int, ntg: int, npl: list[int], threads: int, vocab_size: int,
-                  seed: int) -> dict:
-    from kvforge.bench.llama_cpp_runner import LlamaCppRunner
-
-    runner = LlamaCppRunner(gguf_path, threads)
-    try:
-        runner.round([random_tokens(random.Random(-1), min(npp, 16), vocab_size)], 2)  # warm-up
-        return {f"b{pl}": _row(pl, npp, ntg, *runner.round(prompts_for(pl, npp, vocab_size, seed), ntg))
-                for pl in npl}
-    finally:
-        runner.close()
-
-
-def _row(pl: int, npp: int, ntg: int, prefill_s: float, decode_s: float) -> dict:
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_tok_s": pl * npp / prefill_s,
-            "decode_tok_s": pl * ntg / decode_s}
+def _row(pl: int, npp: int, ntg: int, timings: list[Timing]) -> dict:
+    prefill = statistics.median(t.prefill.wall for t in timings)
+    decode = statistics.median(t.decode.wall for t in timings)
+    prefill_cpu = statistics.median(t.prefill.cpu for t in timings)
+    decode_cpu = statistics.median(t.decode.cpu for t in timings)
+    return {"prefill_s": prefill, "decode_s": decode, "prefill_tok_s": pl * npp / prefill,
+            "decode_tok_s": pl * ntg / decode, "prefill_cpu_s": prefill_cpu, "decode_cpu_s": decode_cpu,
+            "prefill_tok_per_cpu_s": pl * npp / prefill_cpu, "decode_tok_per_cpu_s": pl * ntg / decode_cpu,
+            "rounds": len(timings)}
 
 
 def _totals(rows: dict, npp: int, ntg: int) -> dict:
     pls = [int(k[1:]) for k in rows]
     return {"prefill_tok_s": sum(pls) * npp / sum(r["prefill_s"] for r in rows.values()),
-            "decode_tok_s": sum(pls) * ntg / sum(r["decode_s"] for r in rows.values())}
+            "decode_tok_s": sum(pls) * ntg / sum(r["decode_s"] for r in rows.values()),
+            "prefill_tok_per_cpu_s": sum(pls) * npp / sum(r["prefill_cpu_s"] for r in rows.values())}
+
+
+def _ratios(ours: dict, theirs: dict, npl: list[int], key: str) -> dict:
+    ratio = {f"decode_b{pl}": ours[f"b{pl}"][f"decode_{key}"] / theirs[f"b{pl}"][f"decode_{key}"] for pl in npl}
+    ratio["prefill"] = ours[f"prefill_{key}"] / theirs[f"prefill_{key}"]
+    return ratio
 
 
 def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] = (1, 8, 32),
                     threads: int | None = None, seed: int = 0, kvforge_only: bool = False,
-                    llama_gguf: str | None = None) -> dict:
-    """Both engines on the same shapes and weights; `ratio.*` = kvforge tok/s / llama.cpp tok/s."""
-    if npp < 1 or ntg < 1 or not npl or min(npl) < 1:
-        raise ConfigError(f"--npp, --ntg and every --npl must be >= 1 (got npp={npp}, ntg={ntg}, npl={list(npl)})")
+                    llama_gguf: str | None = None, rounds: int = 3, weights: str = "fp32") -> dict:
+    """Both engines on the same shapes and weights; `ratio.*` = kvforge tok/s / llama.cpp tok/s (wall clock);
+    at one thread `ratio_cpu.*` is the same per second of the computing thread's CPU time, which other
+    processes on a shared machine inflate far less than wall time."""
+    if npp < 1 or ntg < 1 or not npl or min(npl) < 1 or rounds < 1:
+        raise ConfigError(f"--npp, --ntg, --rounds and every --npl must be >= 1 "
+                          f"(got npp={npp}, ntg={ntg}, rounds={rounds}, npl={list(npl)})")
     if not kvforge_only and not llama_cpp_available():
         raise ConfigError(INSTALL_HINT)
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     npl = list(npl)
-    ours = run_kvforge(loaded, npp, ntg, npl, seed)
-    result = {"npp": npp, "ntg": ntg, "npl": npl, "threads": threads, "seed": seed,
-              "kvforge": {**ours, **_totals(ours, npp, ntg), "weights": "fp32", "kv_cache": "fp32"}}
+    runners = {"kvforge": KvforgeRunner(loaded, npp, ntg, max(npl), weights)}
+    path = None
+    if not kvforge_only:
+        from kvforge.bench.gguf_f32 import write_f32_gguf
+        from kvforge.bench.llama_cpp_runner import LlamaCppRunner
+
+        path = llama_gguf or str(write_f32_gguf(loaded.path))
+        runners["llama_cpp"] = LlamaCppRunner(path, threads)
+    try:
+        rows = measure(runners, npp, ntg, npl, rounds, loaded.config.vocab_size, seed)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    ours = rows["kvforge"]
+    result = {"npp": npp, "ntg": ntg, "npl": npl, "threads": threads, "seed": seed, "rounds": rounds,
+              "kvforge": {**ours, **_totals(ours, npp, ntg), "weights": weights, "kv_cache": "fp32"}}
     if kvforge_only:
         return result
-    from kvforge.bench.gguf_f32 import write_f32_gguf
-
-    path = llama_gguf or str(write_f32_gguf(loaded.path))
-    theirs = run_llama_cpp(path, npp, ntg, npl, threads, loaded.config.vocab_size, seed)
+    theirs = rows["llama_cpp"]
     result["llama_cpp"] = {**theirs, **_totals(theirs, npp, ntg), "gguf": path, "kv_cache": "f16"}
-    ratio = {f"decode_b{pl}": ours[f"b{pl}"]["decode_tok_s"] / theirs[f"b{pl}"]["decode_tok_s"] for pl in npl}
-    ratio["prefill"] = result["kvforge"]["prefill_tok_s"] / result["llama_cpp"]["prefill_tok_s"]
-    result["ratio"] = ratio
+    result["ratio"] = _ratios(result["kvforge"], result["llama_cpp"], npl, "tok_s")
+    if threads == 1:
+        result["ratio_cpu"] = _ratios(result["kvforge"], result["llama_cpp"], npl, "tok_per_cpu_s")
     return result

@@ -3,10 +3,10 @@ the prompts prefilled in one `llama_decode` per `n_batch` tokens, then one decod
 from __future__ import annotations
 
 import ctypes
-import time
 
 import numpy as np
 
+from kvforge.bench.timing import Clock, Timing
 from kvforge.errors import ModelLoadError
 
 N_BATCH = 2048  # llama.cpp's default logical batch
@@ -46,14 +46,14 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp could not create a context of {tokens} tokens for {seqs} sequences")
         return ctx
 
-    def round(self, prompts: list[list[int]], ntg: int) -> tuple[float, float]:
-        """(prefill seconds, decode seconds) for the prompts, then ntg greedy decode steps each."""
+    def round(self, prompts: list[list[int]], ntg: int) -> Timing:
+        """Prefill and decode times for the prompts, then ntg greedy decode steps each."""
         ll, pl, npp = self.ll, len(prompts), len(prompts[0])
         ctx = self._context(pl, pl * (npp + ntg))
         batch = ll.llama_batch_init(max(N_BATCH, pl), 0, 1)
         try:
             flat = [(s, i, t) for s, p in enumerate(prompts) for i, t in enumerate(p)]
-            start = time.perf_counter()
+            clock = Clock()
             tokens = [0] * pl
             for first in range(0, len(flat), N_BATCH):
                 rows = [(s, i, t, i == npp - 1) for s, i, t in flat[first: first + N_BATCH]]
@@ -61,11 +61,11 @@ class LlamaCppRunner:
                 last = [r for r, row in enumerate(rows) if row[3]]
                 for r, token in zip(last, self._argmax(ctx, last)):
                     tokens[rows[r][0]] = token
-            prefilled = time.perf_counter()
+            prefilled = clock.split()
             for step in range(ntg):
                 self._decode(ctx, batch, [(s, npp + step, tokens[s], True) for s in range(pl)])
                 tokens = self._argmax(ctx, range(pl))
-            return prefilled - start, time.perf_counter() - prefilled
+            return Timing(prefilled, clock.split())
         finally:
             ll.llama_batch_free(batch)
             ll.llama_free(ctx)

@@ -20,7 +20,7 @@ def run_layout(loaded, layout: str, workload, budget: int, max_model_len: int, m
     progress = Progress(f"{label or layout:>10}", sum(r.max_tokens for r in workload), show_progress)
     kv, bs = engine.kv, engine.kv.block_size
     live_sum = reserved_sum = 0
-    peak_seqs = steps = 0
+    peak_seqs = peak_decoding = steps = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         progress.update(len(engine.step()))
@@ -28,11 +28,13 @@ def run_layout(loaded, layout: str, workload, budget: int, max_model_len: int, m
         live_sum += sum(s.num_computed_tokens for s in running)
         reserved_sum += kv.allocator.num_used * bs
         peak_seqs = max(peak_seqs, len(running))
+        peak_decoding = max(peak_decoding, sum(s.num_computed_tokens >= len(s.prompt_token_ids) for s in running))
         steps += 1
     progress.close()
     return {
         "utilization": live_sum / reserved_sum if reserved_sum else 0.0,
-        "peak_concurrent_seqs": peak_seqs,
+        "peak_concurrent_seqs": peak_seqs,  # running, including one admitted mid-prefill and preempted later
+        "peak_decoding_seqs": peak_decoding,  # past their prompt at once: each holds its whole prompt's KV
         "seconds": time.perf_counter() - start,
         "steps": steps,
         "preemptions": engine.scheduler.num_preemptions,

@@ -98,15 +98,21 @@ def tier_attribution(loaded, docs: int, doc_tokens: int, kv_dtype: str, pool_doc
 
 
 def swap_vs_recompute(loaded, requests: int, prompt_tokens: int, max_tokens: int, kv_dtype: str, seed: int,
-                      show: bool) -> dict:
+                      show: bool, rounds: int = 2) -> dict:
+    """Requests with long prompts and a pool that holds every prompt and one more block each: all are admitted,
+    then their outputs outgrow the pool and the newest is preempted, to be recomputed (a prefill of its prompt and
+    output so far) or swapped to host memory and back (a copy). The arms run in ABBA order (`rounds` runs of
+    each), so a drift in the machine's load counts against both."""
     rng = random.Random(seed + 1)
     prompts = [random_tokens(rng, prompt_tokens, loaded.config.vocab_size) for _ in range(requests)]
     need = -(-(prompt_tokens + max_tokens) // BLOCK)
-    out = {}
-    for mode in ("recompute", "swap"):
-        engine = _engine(loaded, need * requests // 2 + 1, kv_dtype, ["host:4GiB"], max_num_seqs=requests,
-                         preemption_mode=mode, enable_prefix_caching=False)
-        progress = Progress(f"tiers: pressure, {mode}", requests, show)
+    blocks = max(need, requests * (-(-prompt_tokens // BLOCK) + 1))
+    order = [m for r in range(rounds) for m in (("recompute", "swap") if r % 2 == 0 else ("swap", "recompute"))]
+    runs: dict[str, list[dict]] = {"recompute": [], "swap": []}
+    progress = Progress("tiers: pressure, recompute and swap", requests * len(order), show)
+    for mode in order:
+        engine = _engine(loaded, blocks, kv_dtype, ["host:4GiB"], max_num_seqs=requests, preemption_mode=mode,
+                         enable_prefix_caching=False)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
         ids = [engine.add_request(p, params) for p in prompts]
@@ -117,14 +123,21 @@ def swap_vs_recompute(loaded, requests: int, prompt_tokens: int, max_tokens: int
                     done[o.request_id] = o
                     progress.update()
         seconds = time.perf_counter() - start
-        progress.close()
         s = engine.stats()
         engine.close()
-        out[mode] = {"seconds": seconds, "output_tok_s": sum(len(done[i].token_ids) for i in ids) / seconds,
-                     "preemptions": s["preemptions"], "tokens_recomputed": s["preempted_tokens_recomputed"],
-                     "swapped_out_blocks": s.get("swapped_out_blocks", 0)}
-        out[mode]["outputs"] = [done[i].token_ids for i in ids]
-    out["same_outputs"] = out["swap"].pop("outputs") == out["recompute"].pop("outputs")
+        runs[mode].append({"seconds": seconds, "preemptions": s["preemptions"],
+                           "tokens_recomputed": s["preempted_tokens_recomputed"],
+                           "swapped_out_blocks": s.get("swapped_out_blocks", 0),
+                           "outputs": [done[i].token_ids for i in ids]})
+    progress.close()
+    out: dict = {"requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "pool_blocks": blocks,
+                 "rounds": rounds}
+    for mode, rs in runs.items():
+        seconds = sum(r["seconds"] for r in rs)
+        out[mode] = {"seconds": seconds, "output_tok_s": requests * max_tokens * len(rs) / seconds,
+                     **{k: rs[0][k] for k in ("preemptions", "tokens_recomputed", "swapped_out_blocks")}}
+    outputs = [r["outputs"] for rs in runs.values() for r in rs]
+    out["same_outputs"] = all(o == outputs[0] for o in outputs)
     out["swap_vs_recompute_throughput"] = out["swap"]["output_tok_s"] / out["recompute"]["output_tok_s"]
     return out
 
@@ -157,7 +170,8 @@ def cross_replica(loaded, docs: int, doc_tokens: int, kv_dtype: str, redis_url: 
 
 
 def tiers_bench(loaded, docs: int = 40, doc_tokens: int = 2000, kv_dtype: str = "int8", pool_docs: int = 3,
-                host_docs: int = 8, disk_docs: int = 12, redis_url: str | None = None, pressure_requests: int = 6,
+                host_docs: int = 8, disk_docs: int = 12, redis_url: str | None = None, pressure_requests: int = 4,
+                pressure_output_tokens: int = 64,
                 replica_docs: int = 8, seed: int = 0, show: bool = True) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvforge-tiers-") as directory:
         server = LocalRedis(directory) if redis_url is None else None
@@ -167,8 +181,8 @@ def tiers_bench(loaded, docs: int = 40, doc_tokens: int = 2000, kv_dtype: str = 
                       "host_docs": host_docs, "disk_docs": disk_docs}
             result.update(tier_attribution(loaded, docs, doc_tokens, kv_dtype, pool_docs, host_docs, disk_docs, url,
                                            directory, seed, show))
-            # short prompts, long outputs: every request is admitted, then decoding outgrows the pool
-            result["pressure"] = swap_vs_recompute(loaded, pressure_requests, 64, 64, kv_dtype, seed, show)
+            result["pressure"] = swap_vs_recompute(loaded, pressure_requests, doc_tokens, pressure_output_tokens,
+                                                   kv_dtype, seed, show)
             result["swap_vs_recompute_throughput"] = result["pressure"].pop("swap_vs_recompute_throughput")
             result.update(cross_replica(loaded, replica_docs, doc_tokens, kv_dtype, url, seed, show))
         finally:

@@ -33,6 +33,8 @@ def register(sub) -> None:
     h.add_argument("--hybrid-requests", type=int, default=8, help="sequences in the workload")
     h.add_argument("--hybrid-budget-seqs", type=int, default=2,
                    help="KV budget: this many sequences with every layer kept full")
+    h.add_argument("--hybrid-output-len", type=int, default=128, help="output tokens of each sequence")
+    h.add_argument("--hybrid-chunk", type=int, default=256, help="prefill chunk (max_num_batched_tokens)")
     m.set_defaults(func=run_memory)
 
     x = bsub.add_parser("prefix", help="shared system prompt and multi-turn chats, prefix caching off vs on")
@@ -88,7 +90,10 @@ def register(sub) -> None:
     ti.add_argument("--host-docs", type=int, default=8, help="documents the host tier holds (default: 8)")
     ti.add_argument("--disk-docs", type=int, default=12, help="documents the disk tier holds (default: 12)")
     ti.add_argument("--redis", default=None, help="redis://HOST:PORT[/DB] (default: start a private redis-server)")
-    ti.add_argument("--pressure-requests", type=int, default=6, help="concurrent requests under pressure (default: 6)")
+    ti.add_argument("--pressure-requests", type=int, default=4,
+                    help="concurrent requests of --doc-tokens prompts under memory pressure (default: 4)")
+    ti.add_argument("--pressure-output-tokens", type=int, default=64,
+                    help="tokens each pressure request generates (default: 64)")
     ti.add_argument("--replica-docs", type=int, default=8, help="documents of the two-engine run (default: 8)")
     ti.add_argument("--seed", type=int, default=0, help="workload seed")
     _output_options(ti, model=True)
@@ -100,11 +105,22 @@ def register(sub) -> None:
     ll.add_argument("--npl", type=int, nargs="+", default=[1, 8, 32], help="batch sizes: sequences run together")
     ll.add_argument("--threads", type=int, default=None, help="threads of both engines (default: torch's thread count)")
     ll.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    ll.add_argument("--rounds", type=int, default=3, help="rounds, sides alternating; figures are medians (default: 3)")
     ll.add_argument("--kvforge-only", action="store_true", help="measure kvforge only (no llama-cpp-python needed)")
     ll.add_argument("--llama-gguf", default=None,
                     help="GGUF for llama.cpp as is, e.g. a Q8_0 file (default: an F32 copy of --model, cached)")
+    ll.add_argument("--weights", default="fp32", choices=["fp32", "int8"], help="kvforge's linear-layer weights")
     _output_options(ll, model=True)
     ll.set_defaults(func=run_llama_cpp)
+
+    w = bsub.add_parser("weights", help="fp32 vs int8 linear weights: decode tok/s per batch size, in one run")
+    w.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
+    w.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
+    w.add_argument("--npl", type=int, nargs="+", default=[1, 8], help="batch sizes: sequences run together")
+    w.add_argument("--rounds", type=int, default=3, help="rounds, each running both kinds (medians reported)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    _output_options(w, model=True)
+    w.set_defaults(func=run_weights)
 
     from kvforge.bench.serve import register_serve
     register_serve(bsub)
@@ -158,15 +174,15 @@ def run_memory(args) -> int:
     loaded = load_model(args.model)
     budget = parse_size(args.budget) if args.budget else None
     hybrid = {"seq_len": args.hybrid_seq_len, "num_requests": args.hybrid_requests,
-              "budget_seqs": args.hybrid_budget_seqs}
+              "budget_seqs": args.hybrid_budget_seqs, "output_len": args.hybrid_output_len, "chunk": args.hybrid_chunk}
     result = memory_bench(loaded, args.num_requests, tuple(args.prompt_len), tuple(args.output_len), budget,
                           args.max_model_len, args.max_num_seqs, args.seed, not args.no_progress, hybrid)
     h = result.get("hybrid")
     hybrid_rows = [] if h is None else [
         (f"hybrid: {h['seq_len']}-token sequences that fit, groups / full layers (formula)",
          f'{h["groups"]["sequences_that_fit"]} / {h["full_layers"]["sequences_that_fit"]}'),
-        ("hybrid: peak concurrent seqs, groups / full layers",
-         f'{h["groups"]["peak_concurrent_seqs"]} / {h["full_layers"]["peak_concurrent_seqs"]}'),
+        ("hybrid: peak sequences decoding at once, groups / full layers",
+         f'{h["groups"]["peak_decoding_seqs"]} / {h["full_layers"]["peak_decoding_seqs"]}'),
         ("hybrid: concurrency ratio", h["concurrency_ratio"]),
         ("hybrid: completion time groups / full layers (s)", f'{h["groups"]["seconds"]:.1f} / {h["full_layers"]["seconds"]:.1f}'),
     ]
@@ -206,7 +222,9 @@ def run_tiers(args) -> int:
     from kvforge.models.loader import load_model
 
     r = tiers_bench(load_model(args.model), args.docs, args.doc_tokens, args.kv_dtype, args.pool_docs, args.host_docs,
-                    args.disk_docs, args.redis, args.pressure_requests, args.replica_docs, args.seed, not args.no_progress)
+                    args.disk_docs, args.redis, pressure_requests=args.pressure_requests,
+                    pressure_output_tokens=args.pressure_output_tokens, replica_docs=args.replica_docs, seed=args.seed,
+                    show=not args.no_progress)
     ratio = r["ttft_ratio"]
     _emit(r, args.json, [
         ("second_pass_hit_rate", r["second_pass_hit_rate"]),
@@ -262,14 +280,29 @@ def run_llama_cpp(args) -> int:
     if not args.kvforge_only and not llama_cpp_available():
         raise ConfigError(INSTALL_HINT)
     r = llama_cpp_bench(load_model(args.model), args.npp, args.ntg, tuple(args.npl), args.threads, args.seed,
-                        args.kvforge_only, args.llama_gguf)
+                        args.kvforge_only, args.llama_gguf, args.rounds, args.weights)
     rows = [("threads", r["threads"])]
     for side in ("kvforge", "llama_cpp"):
         if side in r:
             rows += [(f"{side} prefill tok/s", r[side]["prefill_tok_s"])]
             rows += [(f"{side} decode tok/s, {pl} seqs", r[side][f"b{pl}"]["decode_tok_s"]) for pl in r["npl"]]
     rows += [(f"ratio.{k}", v) for k, v in r.get("ratio", {}).items()]
+    rows += [(f"ratio_cpu.{k}", v) for k, v in r.get("ratio_cpu", {}).items()]
     _emit(r, args.json, rows)
+    return 0
+
+
+def run_weights(args) -> int:
+    from kvforge.bench.weights import weights_bench
+    from kvforge.models.loader import load_model
+
+    r = weights_bench(load_model(args.model), ("fp32", "int8"), args.npp, args.ntg, tuple(args.npl), args.rounds,
+                      args.seed)
+    rows = [(f"{kind} decode tok/s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_s"]) for kind in r["kinds"]
+            for pl in r["npl"]]
+    rows += [(f"{kind} decode tok per CPU s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_per_cpu_s"])
+             for kind in r["kinds"] for pl in r["npl"]]
+    _emit(r, args.json, rows + [(f"{name}.{k}", v) for name in ("ratio", "ratio_cpu") for k, v in r[name].items()])
     return 0
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvforge.config import EngineConfig
+from kvforge.config import WEIGHT_KINDS, EngineConfig
 from kvforge.memcalc import parse_size
 from kvforge.options import json_object
 
@@ -31,6 +31,8 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     g.add_argument("--no-kv-groups", action="store_true",
                    help="keep every layer's whole history, sliding-window layers too (the old behaviour; "
                         "default: sliding-window layers form KV groups that free blocks behind the window)")
+    g.add_argument("--weights", default="fp32", choices=list(WEIGHT_KINDS),
+                   help="linear-layer weights: fp32, or int8 (per-output-channel scales, fp32 activations)")
     g.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda:0 (default: cuda when present, else cpu)")
     g.add_argument("--speculative", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' (default: off)')
@@ -94,6 +96,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "kv_cache_groups": not args.no_kv_groups,
+        "weights": args.weights,
         "device": args.device,
         "speculative": json_object("--speculative", args.speculative, '{"method": "ngram"}') or None,
         **policy_kwargs(args),

@@ -26,8 +26,8 @@ from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.setup import attach_tiers
+from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
-from kvforge.models.packed_linear import pack_linears
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -44,7 +44,8 @@ class LLMEngine:
         self._request_seeds = random.Random(config.seed)  # seed=None: fresh OS entropy every run
         self.loaded = loaded or load_model(config.model, self.device)
         self.model_config = cfg = self.loaded.config
-        pack_linears(self.loaded.model)  # CPU fp32: oneDNN with packed weights (a no-op elsewhere)
+        if config.weights == "int8":
+            self.loaded = int8_loaded(self.loaded)  # its own module tree with int8 linear weights
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.spec = cfg.kv_cache_spec()

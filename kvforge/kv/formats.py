@@ -6,7 +6,8 @@ from typing import ClassVar
 import torch
 
 from kvforge.errors import ConfigError
-from kvforge.kv.block_bytes import nbytes, rows_as_bytes, tensor_from_bytes
+from kvforge.kv.block_bytes import (LayerRows, flag_column, nbytes, put_rows, rows_as_bytes, stack_payloads,
+                                    tensor_from_columns)
 from kvforge.kv.layer_format import KVFormat, LayerKV, RawKV, RawSide
 from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: F401  (registered on import)
 from kvforge.kv.spec import KVCacheSpec
@@ -39,16 +40,17 @@ class PlainLayerKV(LayerKV):
         return [t for t in (self.k, self.v) if t is not None]
 
     def export_blocks(self, block_ids):
-        rows = [rows_as_bytes(t.index_select(0, block_ids.long())) for t in self._sides()]
-        return [b"\0" + b"".join(r[i].tobytes() for r in rows) for i in range(len(block_ids))]
+        ids = block_ids.long()
+        return LayerRows([flag_column(len(ids))] + [rows_as_bytes(t.index_select(0, ids)) for t in self._sides()])
 
-    def import_blocks(self, block_ids, payloads):
+    def import_rows(self, block_ids, table):
         pos = 1
         for t in self._sides():
-            size = nbytes(t.shape[1:], t.dtype)
-            data = b"".join(bytes(p[pos:pos + size]) for p in payloads)
-            t[block_ids.long()] = tensor_from_bytes(data, (len(payloads), *t.shape[1:]), t.dtype, t.device)
-            pos += size
+            put_rows(t, block_ids.long(), tensor_from_columns(table, pos, t.shape[1:], t.dtype, t.device))
+            pos += nbytes(t.shape[1:], t.dtype)
+
+    def import_blocks(self, block_ids, payloads):
+        self.import_rows(block_ids, stack_payloads(payloads))
 
     def payload_bytes(self, flag):
         return 1 + sum(nbytes(t.shape[1:], t.dtype) for t in self._sides())

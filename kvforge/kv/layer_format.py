@@ -9,8 +9,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
+from kvforge.kv.block_bytes import LayerRows
 from kvforge.kv.spec import KVCacheSpec
 
 
@@ -99,13 +101,17 @@ class LayerKV(ABC):
         return None
 
     @abstractmethod
-    def export_blocks(self, block_ids: torch.Tensor) -> list[bytes]:
+    def export_blocks(self, block_ids: torch.Tensor) -> LayerRows:
         """Each block's exact stored state as bytes (a flag byte, then the encoded rows): lossless, and the
-        block itself is left as it was."""
+        block itself is left as it was. Plain blocks (flag 0) as byte columns, the others as whole payloads."""
 
     @abstractmethod
     def import_blocks(self, block_ids: torch.Tensor, payloads: list[bytes | memoryview]) -> None:
         """Make each (freshly allocated) block hold exactly what `export_blocks` returned for it."""
+
+    @abstractmethod
+    def import_rows(self, block_ids: torch.Tensor, table: np.ndarray) -> None:
+        """`import_blocks` for plain payloads (flag 0) given as the rows of one [n, payload_bytes(0)] uint8 array."""
 
     @abstractmethod
     def payload_bytes(self, flag: int) -> int:

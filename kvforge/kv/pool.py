@@ -6,8 +6,10 @@ its own slot.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from kvforge.kv.block_bytes import stack_payloads
 from kvforge.kv.groups import KVGroup
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.memory import layer_slots
@@ -38,17 +40,46 @@ class KVPool:
 
     def export_blocks(self, block_ids: list[int]) -> list[bytes]:
         """Each block's exact state in every layer slot, as one payload per block (slot payloads back to back);
-        a block id belongs to one KV group, so its slots are exactly that group's layers."""
+        a block id belongs to one KV group, so its slots are exactly that group's layers. One copy per layer
+        for all blocks; only blocks in a special form (staged, sinks) are put together piece by piece."""
         if not block_ids:
             return []
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.slots[0].tensors()[0].device)
-        per_layer = [layer.export_blocks(ids) for layer in self.slots]
-        return [b"".join(parts) for parts in zip(*per_layer)]
+        per_layer = [layer.export_blocks(self._ids(block_ids)) for layer in self.slots]
+        table = np.concatenate([c for rows in per_layer for c in rows.columns], axis=1)
+        out = [table[i].tobytes() for i in range(len(block_ids))]
+        for i in set().union(*(rows.special for rows in per_layer)):
+            parts, pos = [], 0
+            for layer, rows in zip(self.slots, per_layer):
+                width = layer.payload_bytes(0)
+                parts.append(rows.special.get(i) or table[i, pos:pos + width].tobytes())
+                pos += width
+            out[i] = b"".join(parts)
+        return out
 
     def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
-        """Make blocks hold what `export_blocks` returned; ValueError when a payload does not fit this pool."""
+        """Make blocks hold what `export_blocks` returned; ValueError when a payload does not fit this pool.
+        Plain payloads (every layer's flag 0) go in as one array, one copy per layer for all of them."""
         if not block_ids:
             return
+        widths = [layer.payload_bytes(0) for layer in self.slots]
+        starts = np.cumsum([0] + widths[:-1])
+        plain_size = sum(widths)
+        sized = [i for i, p in enumerate(payloads) if len(p) == plain_size]
+        plain: list[int] = []
+        if sized:
+            table = stack_payloads([payloads[i] for i in sized])
+            keep = ~table[:, starts].any(axis=1)
+            plain = [i for i, k in zip(sized, keep.tolist()) if k]
+            if not keep.all():
+                table = table[keep]
+            ids = self._ids([block_ids[i] for i in plain])
+            for layer, start, width in zip(self.slots, starts, widths):
+                layer.import_rows(ids, table[:, start:start + width])
+        rest = sorted(set(range(len(payloads))) - set(plain))
+        if rest:
+            self._import_special([block_ids[i] for i in rest], [payloads[i] for i in rest])
+
+    def _import_special(self, block_ids: list[int], payloads: list[bytes]) -> None:
         segments: list[list[memoryview]] = [[] for _ in self.slots]
         for payload in payloads:
             view, pos = memoryview(payload), 0
@@ -60,9 +91,12 @@ class KVPool:
                 pos += size
             if pos != len(view):
                 raise ValueError(f"KV block payload has {len(view)} bytes, this pool's layers read {pos}")
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.slots[0].tensors()[0].device)
+        ids = self._ids(block_ids)
         for layer, segs in zip(self.slots, segments):
             layer.import_blocks(ids, segs)
+
+    def _ids(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long, device=self.slots[0].tensors()[0].device)
 
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.slots for t in layer.tensors())

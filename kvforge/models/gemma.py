@@ -2,7 +2,8 @@
 
 Differences from Llama: embeddings scaled by sqrt(hidden), RMSNorm weights stored as an offset from 1,
 norms after attention and after the MLP as well as before, a GELU-tanh gated MLP, queries scaled by
-query_pre_attn_scalar, optional soft-capping of the final logits, and (Gemma 3) QK-norm plus a separate RoPE
+query_pre_attn_scalar, optional soft-capping of the attention scores (Gemma 2; those layers attend on the torch
+path) and of the final logits, and (Gemma 3) QK-norm plus a separate RoPE
 base for sliding-window layers. Attention goes through llama.py's Attention, so the per-layer window comes from
 the same metadata as for every other model. Parameter names follow Hugging Face.
 """
@@ -13,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.attention import AttentionMetadata
-from kvforge.errors import ModelLoadError
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -42,6 +42,7 @@ class GemmaAttention(Attention):
             self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = float(cfg.extra.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5
+        self.softcap = cfg.extra.get("attn_logit_softcapping") or None
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -73,9 +74,6 @@ class GemmaModel(nn.Module):
 class GemmaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.extra.get("attn_logit_softcapping"):
-            raise ModelLoadError(f"attn_logit_softcapping={cfg.extra['attn_logit_softcapping']} is not supported "
-                                 "(kvforge's attention has no soft-capping); supported: null")
         self.config = cfg
         self.model = GemmaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

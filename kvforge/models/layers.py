@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.errors import ModelLoadError
-from kvforge.ops.layers import linear, rms_norm, silu_mul
+from kvforge.models.int8_weights import linear
+from kvforge.ops.layers import rms_norm, silu_mul
 
 
 class RMSNorm(nn.Module):

@@ -12,8 +12,9 @@ from torch import nn
 from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
+from kvforge.models.int8_weights import linear
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
-from kvforge.ops.layers import linear, rope
+from kvforge.ops.layers import rope
 
 
 class Attention(nn.Module):
@@ -31,6 +32,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.head_dim**-0.5
+        self.softcap: float | None = None  # attention logit soft-capping (Gemma 2)
         self.register_buffer("qkv_weight", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
 
@@ -53,7 +55,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         kv.write(self.layer_idx, meta, k, v)
-        out = attend(q, kv.layers[self.layer_idx], meta.for_layer(self.layer_idx), self.scale)
+        out = attend(q, kv.layers[self.layer_idx], meta.for_layer(self.layer_idx), self.scale, self.softcap)
         return linear(out.reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
 
 

@@ -1,8 +1,10 @@
 """Operators over the paged KV cache (registered with torch.library as `kvforge::*`).
 
 `paged_decode`: one query token per sequence attends over its blocks as stored, each format decoded
-inside the kernel (no gather of the history into fp32 temporaries). The torch reference (reference.py)
-implements the op for every device; a compiled CPU kernel (csrc/, built by build.py) overrides it on CPU.
+inside the kernel (no gather of the history into fp32 temporaries). `paged_attend`: several query tokens per
+sequence (speculative verification rows, prefill chunks over cached history), each up to its own position, every
+block read once for all of a sequence's queries. The torch references (reference.py) implement the ops for every
+device; compiled CPU kernels (csrc/, built by build.py) override them on CPU.
 """
 from __future__ import annotations
 
@@ -46,3 +48,15 @@ def paged_decode(q: torch.Tensor, cache: LayerKV, block_table: torch.Tensor, con
         return None
     lens = torch.as_tensor(context_lens, dtype=torch.long)
     return torch.ops.kvforge.paged_decode(q, block_table, lens, scale, window or 0, *op_args(raw))
+
+
+def paged_attend(q: torch.Tensor, cache: LayerKV, query_start: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor | None:
+    """Compiled attention for q [T, heads, dim], sequence b owning rows query_start[b]:query_start[b + 1] (the last
+    of its context_lens[b] keys, each seeing keys up to its own position) -> [T, heads, v_dim]; None as paged_decode."""
+    if q.device.type != "cpu" or disabled() or not load_compiled():
+        return None
+    raw = raw_view(cache)
+    if raw is None:
+        return None
+    return torch.ops.kvforge.paged_attend(q, query_start, block_table, context_lens, scale, window or 0, *op_args(raw))

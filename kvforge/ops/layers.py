@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from kvforge.ops import layers_reference
 from kvforge.ops.build import disabled, load_compiled
+from kvforge.ops.packed_weights import packed, packed_linear
 
 
 def _compiled(x: torch.Tensor) -> bool:
@@ -37,15 +38,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return layers_reference.silu_mul(gate_up)
 
 
-SMALL_ROWS = 4  # up to this many rows the compiled small_linear beats the BLAS for every decoder matmul measured
+SMALL_ROWS = 4  # without oneDNN, up to this many rows the compiled small_linear beats the BLAS
 SMALL_ROWS_WIDE = 32  # and up to this many for wide outputs (the vocabulary projection)
 WIDE = 8192
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the compiled small_linear for the few rows of a decode step (`python -m
-    kvforge.ops.bench_matmul` measures both)."""
-    rows = x.shape[0] if x.dim() == 2 else SMALL_ROWS_WIDE + 1
-    if rows <= (SMALL_ROWS_WIDE if weight.shape[0] >= WIDE else SMALL_ROWS) and _compiled(x):
+    """F.linear for fp32 CPU inference: one row (a decode step of one sequence) through the compiled
+    small_linear, more rows through oneDNN with the weight packed once, else the BLAS (`python -m
+    kvforge.ops.bench_matmul` measures the three)."""
+    if not _compiled(x) or x.dim() != 2 or (weight.requires_grad and torch.is_grad_enabled()):
+        return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    if rows > 1:
+        weight_packed = packed(weight)
+        if weight_packed is not None:
+            return packed_linear(x, weight_packed, bias)
+    if rows <= (SMALL_ROWS_WIDE if weight.shape[0] >= WIDE else SMALL_ROWS):
         return torch.ops.kvforge.small_linear(x, weight, bias)
     return F.linear(x, weight, bias)

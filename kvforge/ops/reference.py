@@ -1,4 +1,4 @@
-"""Torch reference of kvforge::paged_decode: decode the listed blocks with the formats' own codecs, lay the
+"""Torch references of kvforge::paged_decode and kvforge::paged_attend: decode the listed blocks with the formats' own codecs, lay the
 exact rows over them, and attend with a causal/window mask (the math of attention.py's decode path)."""
 from __future__ import annotations
 
@@ -45,3 +45,18 @@ def paged_decode(q: torch.Tensor, block_table: torch.Tensor, context_lens: torch
     out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None], scale=scale,
                                          enable_gqa=True)
     return out[:, :, 0]
+
+
+def paged_attend(q: torch.Tensor, query_start: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+                 scale: float, window: int, k_meta: list[int], k_parts: list[torch.Tensor], v_meta: list[int],
+                 v_parts: list[torch.Tensor], stage: list[torch.Tensor], sink: list[torch.Tensor]) -> torch.Tensor:
+    """q [T, heads, dim]; sequence b owns queries query_start[b]:query_start[b + 1], the last of its
+    context_lens[b] keys, and query i of them sees the keys up to its own position -> [T, heads, v_dim].
+    Each query runs as a decode row over its causal prefix."""
+    starts = query_start.long().cpu()
+    counts = starts[1:] - starts[:-1]
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    offset = torch.arange(len(seq)) - starts[seq]
+    lens = context_lens.long().cpu()[seq] - counts[seq] + 1 + offset
+    return paged_decode(q, block_table[seq.to(block_table.device)], lens, scale, window, k_meta, k_parts, v_meta,
+                        v_parts, stage, sink)

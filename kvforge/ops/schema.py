@@ -10,6 +10,9 @@ LIB = torch.library.Library("kvforge", "FRAGMENT")
 LIB.define("paged_decode(Tensor q, Tensor block_table, Tensor context_lens, float scale, int window, "
            "int[] k_meta, Tensor[] k_parts, int[] v_meta, Tensor[] v_parts, Tensor[] stage, Tensor[] sink) -> Tensor")
 LIB.impl("paged_decode", reference.paged_decode, "CompositeExplicitAutograd")
+LIB.define("paged_attend(Tensor q, Tensor query_start, Tensor block_table, Tensor context_lens, float scale, int window, "
+           "int[] k_meta, Tensor[] k_parts, int[] v_meta, Tensor[] v_parts, Tensor[] stage, Tensor[] sink) -> Tensor")
+LIB.impl("paged_attend", reference.paged_attend, "CompositeExplicitAutograd")
 LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 LIB.impl("rms_norm", layers_reference.rms_norm, "CompositeExplicitAutograd")
 LIB.define("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()")

@@ -55,12 +55,15 @@ def test_layer_types_are_checked():
     assert ModelConfig(**base).layer_window(1) == 4  # no layer_types: every layer alike
 
 
-def test_attention_softcapping_is_refused_by_name(tmp_path):
+def test_attention_softcapping_reaches_every_layer():
     from kvforge.models.gemma import GemmaForCausalLM
 
     cfg = model_config_from_hf({**GEMMA3_OLD_STYLE, "model_type": "gemma2", "attn_logit_softcapping": 50.0})
-    with pytest.raises(ModelLoadError, match="attn_logit_softcapping=50.0"), torch.device("meta"):
-        GemmaForCausalLM(cfg)
+    with torch.device("meta"):
+        model = GemmaForCausalLM(cfg)
+    assert {layer.self_attn.softcap for layer in model.model.layers} == {50.0}
+    with torch.device("meta"):
+        assert GemmaForCausalLM(model_config_from_hf(GEMMA3_OLD_STYLE)).model.layers[0].self_attn.softcap is None
 
 
 def _random_blocks(qtype: Q, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -106,3 +106,34 @@ def test_chat_uses_gemma_turns_and_end_of_turn_stops(llm):
     out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=4))
     assert out[0].prompt_token_ids[:4] == [tok.bos_token_id, tok.token_to_id("<start_of_turn>"),
                                            *tok.encode("user\n", add_special_tokens=False)]
+
+
+def test_a_4096_token_sequence_holds_the_rows_of_the_formula(llm):
+    """A 4,095-token prompt, then the step that decodes the 4,096th token (sliding groups give back what fell
+    behind the window when a step allocates): the full-attention group holds every row (3 layers x 4,096), each
+    sliding group only the 512-token window (15 layers x 512: blocks of 16 end exactly at the window's edge), and
+    the pool's blocks and bytes are the one formula's."""
+    from kvforge.config import EngineConfig
+    from kvforge.engine.engine import LLMEngine
+    from kvforge.kv.groups import NULL_BLOCK
+    from kvforge.kv.memory import blocks_for_sequence, bytes_for_sequence, pool_bytes
+
+    engine = LLMEngine(EngineConfig(kv_cache_memory="112MiB", block_size=16, enable_prefix_caching=False, max_num_seqs=1,
+                                    max_model_len=4098),
+                       llm.engine.loaded)
+    kv = engine.kv
+    assert kv.pool.allocated_bytes() == pool_bytes(engine.spec, engine.format, 16, kv.num_blocks, 1, kv.groups)
+    prompt = torch.randint(10, 200_000, (4095,), generator=torch.Generator().manual_seed(0)).tolist()
+    seq = engine.requests[engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))]
+    while seq.num_computed_tokens < 4096:
+        engine.step()
+    rows = {"full": 0, "sliding": 0}
+    for g, group in enumerate(kv.groups):
+        held = [b for b in kv.block_table(seq, g) if b != NULL_BLOCK]
+        rows["sliding" if group.sliding else "full"] += len(held) * 16 * len(group.layers)
+    assert rows == {"full": 3 * 4096, "sliding": 15 * 512}
+    assert kv.allocator.num_used == blocks_for_sequence(4096, 16, kv.groups) == 256 + 5 * 32
+    assert kv.allocator.num_used * kv.block_bytes == bytes_for_sequence(engine.spec, engine.format, 4096, 16, kv.groups)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert kv.allocator.num_used == 0

@@ -46,20 +46,22 @@ def test_greedy_same_with_and_without_compiled_decode(tiny_loaded, monkeypatch, 
 
 
 def test_speculative_verification_rows_through_the_operator(tiny_loaded, monkeypatch):
-    """Rows of several queries go through the operator one query at a time, each over its causal prefix."""
+    """Rows of several queries go through the multi-query operator, each query over its causal prefix."""
     if not load_compiled():
         pytest.skip("no compiled kvforge ops on this machine")
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
     prompts = [[5, 6, 7, 8, 9, 10] * 4, [11, 12, 13, 14] * 5 + [3]]
-    rows = []
-    compiled = attention.paged_decode
+    calls = []
+    compiled = attention.paged_attend
 
-    def counted(q, *args):
-        rows.append(q.shape[0])
-        return compiled(q, *args)
+    def counted(q, cache, starts, *args):
+        out = compiled(q, cache, starts, *args)
+        calls.append((out is not None, int((starts[1:] - starts[:-1]).max())))
+        return out
 
-    monkeypatch.setattr(attention, "paged_decode", counted)
+    monkeypatch.setattr(attention, "paged_attend", counted)
     on = generate(tiny_loaded, "int8", {}, spec, prompts)
-    assert max(rows) > len(prompts)  # some call carried a sequence's several verification queries
+    assert calls and all(ran for ran, _ in calls)
+    assert max(most for _, most in calls) > 1  # some call carried a sequence's several verification queries
     monkeypatch.setenv("KVFORGE_OPS", "torch")
     assert on == generate(tiny_loaded, "int8", {}, spec, prompts) == generate(tiny_loaded, "int8", {}, None, prompts)

@@ -48,7 +48,7 @@ def test_silu_mul_matches_the_reference_over_a_wide_range():
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33])
 def test_small_linear_matches_f_linear(rows):
     gen = torch.Generator().manual_seed(rows)
-    for n, k in [(37, 576), (960, 40), (8, 1536)]:  # N not a tile multiple, K not a multiple of 16
+    for n, k in [(37, 576), (960, 40), (8, 1536), (9, 7)]:  # N not a tile multiple, K not a multiple of 16 or < 16
         x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
         torch.testing.assert_close(torch.ops.kvforge.small_linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(torch.ops.kvforge.small_linear(x, w, None), F.linear(x, w), rtol=1e-4, atol=1e-4)
@@ -62,3 +62,28 @@ def test_wrappers_take_the_torch_path_for_gradients_and_other_dtypes():
     xd = torch.randn(2, 8, dtype=torch.float64)
     torch.testing.assert_close(layers.rms_norm(xd, w.detach().double(), 1e-6),
                                layers_reference.rms_norm(xd, w.detach().double(), 1e-6))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 33, 300])
+def test_linear_matches_f_linear_on_every_path(rows):
+    gen = torch.Generator().manual_seed(100 + rows)
+    x, w, b = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen), torch.randn(960, generator=gen)
+    torch.testing.assert_close(layers.linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layers.linear(x[:, :7], w[:, :7], None), F.linear(x[:, :7], w[:, :7]), rtol=1e-4, atol=1e-4)
+
+
+def test_a_weight_is_packed_once_on_its_first_multi_row_use_and_kept_with_it():
+    from kvforge.ops.packed_weights import ATTRIBUTE, packing_available
+
+    if not packing_available():
+        pytest.skip("oneDNN is not available in this torch build (or KVFORGE_PACKED_LINEAR=0)")
+    w = torch.randn(64, 32)
+    layers.linear(torch.randn(1, 32), w)
+    assert getattr(w, ATTRIBUTE, None) is None  # one row runs small_linear on the plain weight
+    layers.linear(torch.randn(3, 32), w)
+    first = getattr(w, ATTRIBUTE)
+    layers.linear(torch.randn(9, 32), w)
+    assert getattr(w, ATTRIBUTE) is first
+    grad_w = torch.randn(64, 32, requires_grad=True)
+    layers.linear(torch.randn(3, 32), grad_w)  # autograd on: the plain path, nothing packed
+    assert getattr(grad_w, ATTRIBUTE, None) is None

@@ -1,4 +1,4 @@
-"""kvforge::paged_decode, compiled CPU kernel vs the torch path, on random block tables for every format.
+"""kvforge::paged_decode and kvforge::paged_attend, compiled CPU kernels vs the torch path, on random block tables for every format.
 
 Caches are filled through each format's own write path in random chunks, so blocks end up as codes,
 in staging entries (partly filled and full), with sink entries and outliers, as in the engine.
@@ -82,6 +82,38 @@ def test_compiled_matches_torch_path(compiled, name, opts, shape):
         torch.testing.assert_close(ref, want, atol=2e-5, rtol=1e-4)
 
 
+QUERIES = [1, 6, 3, 20, 8]  # per sequence of LENS: one, across a block edge (12..17), two runs of MAX_RUN (16)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("name,opts", FORMATS, ids=[f"{n}{o or ''}".replace(" ", "") for n, o in FORMATS])
+def test_multi_query_matches_one_decode_row_per_query(compiled, name, opts, shape):
+    """paged_attend: every query of a sequence sees its causal prefix (as a decode row at its own position)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"attend{name}{opts}{shape}".encode()))
+    kv_heads, heads = SHAPES[shape]
+    cache, table = filled_cache(name, opts, kv_heads, gen)
+    counts = torch.tensor(QUERIES)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    seq = torch.repeat_interleave(torch.arange(len(LENS)), counts)
+    own = torch.tensor(LENS)[seq] - counts[seq] + 1 + torch.arange(len(seq)) - starts[seq]  # keys each query sees
+    q = torch.randn(len(seq), heads, DIM, generator=gen)
+    raw = cache.raw()
+    for window in (0, 20):
+        want = gathered_attention(q, cache, table[seq], own, 0.125, window)
+        got = torch.ops.kvforge.paged_attend(q, starts, table, torch.tensor(LENS), 0.125, window, *op_args(raw))
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        ref = reference.paged_attend(q, starts, table, torch.tensor(LENS), 0.125, window, *op_args(raw))
+        torch.testing.assert_close(ref, want, atol=2e-5, rtol=1e-4)
+
+
+def test_multi_query_refuses_more_queries_than_keys(compiled):
+    cache, table = filled_cache("fp32", {}, 2, torch.Generator().manual_seed(1))
+    starts = torch.tensor([0, 2, 4, 6, 8, 10])
+    with pytest.raises(RuntimeError, match="has 2 queries but 1 keys"):
+        torch.ops.kvforge.paged_attend(torch.randn(10, 4, DIM), starts, table, torch.tensor(LENS), 0.125, 0,
+                                       *op_args(cache.raw()))
+
+
 def test_staged_formats_exercise_every_row_source(compiled):
     """The kivi2 cache of the tests above really holds codes, staging entries, sinks and outliers."""
     cache, table = filled_cache("kivi2", {}, 2, torch.Generator().manual_seed(0))
@@ -91,3 +123,13 @@ def test_staged_formats_exercise_every_row_source(compiled):
     assert staged.any() and (~staged).any()
     assert 0 < int((raw.sink[0] >= 0).sum()) < len(LENS)  # sink entries for max_num_seqs=1: older ones went to codes
     assert raw.k.parts[4].numel() > 0  # outlier indices
+
+
+def test_kernel_bench_times_every_format_and_both_ops(compiled):
+    from kvforge.ops.bench_kernel import bench
+
+    result = bench(["fp32", "kivi2"], context=40, batch=2, queries=3, rounds=1)
+    assert set(result["formats"]) == {"fp32", "kivi2"}
+    for row in result["formats"].values():
+        assert row["decode_ms"] > 0 and row["attend_ms"] > 0 and row["row_per_query_ms"] > 0
+    assert result["formats"]["fp32"]["decode_slowdown_vs_fp32"] == 0

@@ -21,7 +21,6 @@ from kvforge.kv.memory import bytes_per_block, side_bytes
 from kvforge.kv.pool import KVPool
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.models.loader import LoadedModel, load_model
-from kvforge.models.packed_linear import pack_linears
 
 
 class DraftModelDrafter(ModelDrafter):
@@ -44,7 +43,6 @@ class DraftModelDrafter(ModelDrafter):
 def load_draft(path: str, target: LoadedModel, device: torch.device, max_model_len: int) -> LoadedModel:
     """Load the draft model at path; TokenizerMismatchError unless it tokenizes exactly like the target."""
     draft = load_model(path, device)
-    pack_linears(draft.model)
     check_same_tokenizer(target, draft)
     if draft.config.max_position_embeddings < max_model_len:
         raise ConfigError(f"draft model {path} handles {draft.config.max_position_embeddings} positions, fewer than "

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvforge.kv.block_bytes import nbytes, rows_as_bytes, tensor_from_bytes
+from kvforge.kv.block_bytes import (LayerRows, flag_column, nbytes, put_rows, rows_as_bytes, stack_payloads,
+                                    tensor_from_columns)
 
 STAGED, STAGE_FULL, SINKS = 1, 2, 4
 
@@ -28,34 +29,32 @@ class QuantBlockIO:
         body = self._rows_bytes(self.stage_rows) if flag & STAGED else self._code_bytes()
         return 1 + body + (self._rows_bytes(self.sink_rows) if flag & SINKS else 0)
 
-    def export_blocks(self, block_ids: torch.Tensor) -> list[bytes]:
+    def export_blocks(self, block_ids: torch.Tensor) -> LayerRows:
         ids = block_ids.long()
-        n = len(ids)
-        codes = np.concatenate([rows_as_bytes(p.index_select(0, ids)) for ps in self.parts for p in ps], axis=1)
-        flags = np.zeros(n, dtype=np.uint8)
+        codes = [rows_as_bytes(p.index_select(0, ids)) for ps in self.parts for p in ps]
+        flags: dict[int, int] = {}
         staged_rows, sink_rows = {}, {}
         if self.stage is not None:
             e = self.stage.lookup(ids)
             for i in torch.nonzero(e >= 0).flatten().tolist():
-                flags[i] |= STAGED | (STAGE_FULL if bool(self.stage_full[e[i]]) else 0)
-                staged_rows[i] = b"".join(rows_as_bytes(s[e[i]:e[i] + 1])[0].tobytes() for s in self.stage_rows)
+                flags[i] = STAGED | (STAGE_FULL if bool(self.stage_full[e[i]]) else 0)
+                staged_rows[i] = _entry_bytes(self.stage_rows, int(e[i]))
         if self.sink is not None:
             e = self.sink.lookup(ids)
             for i in torch.nonzero(e >= 0).flatten().tolist():
-                flags[i] |= SINKS
-                sink_rows[i] = b"".join(rows_as_bytes(s[e[i]:e[i] + 1])[0].tobytes() for s in self.sink_rows)
-        return [bytes([flags[i]]) + (staged_rows[i] if i in staged_rows else codes[i].tobytes()) + sink_rows.get(i, b"")
-                for i in range(n)]
+                flags[i] = flags.get(i, 0) | SINKS
+                sink_rows[i] = _entry_bytes(self.sink_rows, int(e[i]))
+        special = {i: bytes([f]) + (staged_rows[i] if i in staged_rows else b"".join(c[i].tobytes() for c in codes))
+                   + sink_rows.get(i, b"") for i, f in flags.items()}
+        return LayerRows([flag_column(len(ids))] + codes, special)
 
     def import_blocks(self, block_ids: torch.Tensor, payloads: list[bytes | memoryview]) -> None:
         ids = block_ids.long()
         flags = [p[0] for p in payloads]
-        for table in (self.stage, self.sink):
-            if table is not None:
-                table.release(ids)  # entries a previous holder of these block ids left behind
+        self._release_entries(ids)
         coded = [i for i, f in enumerate(flags) if not f & STAGED]
         if coded:
-            self._import_codes(ids[coded], [payloads[i] for i in coded])
+            self._import_codes(ids[coded], stack_payloads([payloads[i] for i in coded], 0, self.payload_bytes(0)))
         staged = [i for i, f in enumerate(flags) if f & STAGED]
         if staged:
             self._import_staged(ids[staged], [payloads[i] for i in staged])
@@ -63,22 +62,30 @@ class QuantBlockIO:
         if sinked:
             self._import_sinks(ids[sinked], [payloads[i] for i in sinked])
 
-    def _read_rows(self, payloads, start: int, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    def import_rows(self, block_ids: torch.Tensor, table: np.ndarray) -> None:
+        ids = block_ids.long()
+        self._release_entries(ids)
+        self._import_codes(ids, table)
+
+    def _release_entries(self, ids: torch.Tensor) -> None:
+        for table in (self.stage, self.sink):
+            if table is not None:
+                table.release(ids)  # entries a previous holder of these block ids left behind
+
+    def _read_rows(self, table: np.ndarray, start: int, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         out, pos = [], start
         for r in rows:
-            size = nbytes(r.shape[1:], r.dtype)
-            data = b"".join(bytes(p[pos:pos + size]) for p in payloads)
-            out.append(tensor_from_bytes(data, (len(payloads), *r.shape[1:]), r.dtype, r.device))
-            pos += size
+            out.append(tensor_from_columns(table, pos, r.shape[1:], r.dtype, r.device))
+            pos += nbytes(r.shape[1:], r.dtype)
         return out
 
-    def _import_codes(self, ids: torch.Tensor, payloads) -> None:
+    def _import_codes(self, ids: torch.Tensor, table: np.ndarray) -> None:
         flat = [p for ps in self.parts for p in ps]
-        for p, x in zip(flat, self._read_rows(payloads, 1, flat)):
-            p[ids] = x
+        for p, x in zip(flat, self._read_rows(table, 1, flat)):
+            put_rows(p, ids, x)
 
     def _import_staged(self, ids: torch.Tensor, payloads) -> None:
-        rows = self._read_rows(payloads, 1, self.stage_rows)
+        rows = self._read_rows(stack_payloads(payloads, 0, 1 + self._rows_bytes(self.stage_rows)), 1, self.stage_rows)
         if self.stage is None:  # this pool stages nothing: keep the rows as codes, as a flush would
             self._encode_into(ids, [r.float() for r in rows])
             return
@@ -92,7 +99,7 @@ class QuantBlockIO:
             self._encode_into(ids[short], [r[short].float() for r in rows])
 
     def _import_sinks(self, ids: torch.Tensor, payloads) -> None:
-        rows = self._read_rows([p[self.payload_bytes(p[0] & ~SINKS):] for p in payloads], 0, self.sink_rows)
+        rows = self._read_rows(self._sink_table(payloads), 0, self.sink_rows)
         claim = self.sink.claim(ids)
         self._unsink(claim.victim_blocks, [s[claim.victim_entries] for s in self.sink_rows])
         for s, r in zip(self.sink_rows, rows):
@@ -100,3 +107,11 @@ class QuantBlockIO:
         short = ~claim.taken
         if bool(short.any()):
             self._unsink(ids[short], [r[short] for r in rows])
+
+    def _sink_table(self, payloads) -> np.ndarray:
+        width = self._rows_bytes(self.sink_rows)
+        return np.stack([np.frombuffer(bytes(p[self.payload_bytes(p[0] & ~SINKS):][:width]), np.uint8) for p in payloads])
+
+
+def _entry_bytes(rows: list[torch.Tensor], entry: int) -> bytes:
+    return b"".join(rows_as_bytes(s[entry:entry + 1])[0].tobytes() for s in rows)

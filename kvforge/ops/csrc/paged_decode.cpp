@@ -1,6 +1,8 @@
-// kvforge::paged_decode on CPU: one query token per sequence attends over its blocks in place.
-// Parallel over (sequence, KV head); each block's rows of that head are decoded once into an L1 tile
-// and used by all of the head's query heads (GQA/MQA); online softmax, so nothing grows with context.
+// kvforge::paged_attend on CPU: each sequence's queries (one for decode; 1 + k for speculative verification;
+// a chunk for prefill over cached history) attend over its blocks in place, each query up to its own position.
+// Parallel over (run of a sequence's queries, KV head); each block's rows of that head are decoded once into an
+// L1 tile and used by all queries of the run and all of the head's query heads (GQA/MQA); online softmax, so
+// nothing grows with context. kvforge::paged_decode is its one-query-per-sequence case.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -53,7 +55,15 @@ const float* load(const Side& side, const Overlay& stage, const Overlay& sink, i
   return rows;
 }
 
-// Everything one call attends over; tasks are (sequence, KV head) pairs.
+// A run of consecutive queries of one sequence: query i (from `first`) sees keys [lo_i, limit + i) of the
+// sequence's blocks (lo_i: the window's start, else 0). Queries of one sequence are split into runs of at most
+// MAX_RUN so that a long prefill chunk spreads over threads and its scores stay in L1.
+struct Run {
+  int64_t seq, first, count, limit;
+};
+constexpr int64_t MAX_RUN = 16;
+
+// Everything one call attends over; tasks are (run, KV head) pairs.
 struct Problem {
   const Side& K;
   const Side& V;
@@ -61,105 +71,154 @@ struct Problem {
   const Exact& sinks;
   const float* q;
   const int64_t* table;
-  const int64_t* lens;
+  const std::vector<Run>& runs;
   float* out;
   int64_t H, W, G, kvh, bs, D, Dv, window;
   float scale;
 };
 
 // DK, DV: head dims known at compile time (0: take them from the problem), so dot products unroll.
+// Each block's tile is loaded once per task and used by every query of the run and every query head of
+// the KV head (rows i * G + g); each row keeps its own online softmax over its own causal range.
 template <int DK, int DV>
 void run_tasks(const Problem& p, int64_t begin, int64_t end) {
-  const int64_t D = DK ? DK : p.D, Dv = DV ? DV : p.Dv, G = p.G, bs = p.bs;
-  std::vector<float> kbuf((bs + 1) * D), vbuf((bs + 1) * Dv), qs(G * D), s(G * bs), m(G), l(G), acc(G * Dv);
+  const int64_t D = DK ? DK : p.D, Dv = DV ? DV : p.Dv, G = p.G, bs = p.bs, R = MAX_RUN * G;
+  std::vector<float> kbuf((bs + 1) * D), vbuf((bs + 1) * Dv), qs(R * D), s(R * bs), m(R), l(R), acc(R * Dv);
+  std::vector<float> alpha(R);
+  int64_t lo[MAX_RUN], hi[MAX_RUN], r0s[MAX_RUN], r1s[MAX_RUN];
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t b = task / p.kvh, h = task % p.kvh, n = p.lens[b];
-    const int64_t start = p.window > 0 ? std::max<int64_t>(0, n - p.window) : 0;
-    for (int64_t i = 0; i < G * D; ++i) qs[i] = p.q[(b * p.H + h * G) * D + i] * p.scale;
-    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-    std::fill(l.begin(), l.end(), 0.f);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t j = start / bs; j * bs < n && j < p.W; ++j) {
+    const Run& run = p.runs[task / p.kvh];
+    const int64_t b = run.seq, h = task % p.kvh, n = run.count, rows = n * G;
+    for (int64_t i = 0; i < n; ++i) {
+      hi[i] = run.limit + i;
+      lo[i] = p.window > 0 ? std::max<int64_t>(0, hi[i] - p.window) : 0;
+      const float* qi = p.q + ((run.first + i) * p.H + h * G) * D;
+      for (int64_t c = 0; c < G * D; ++c) qs[i * G * D + c] = qi[c] * p.scale;
+    }
+    std::fill_n(m.begin(), rows, -std::numeric_limits<float>::infinity());
+    std::fill_n(l.begin(), rows, 0.f);
+    std::fill_n(acc.begin(), rows * Dv, 0.f);
+    const int64_t first_key = lo[0], last_key = hi[n - 1];
+    for (int64_t j = first_key / bs; j * bs < last_key && j < p.W; ++j) {
       const int64_t blk = p.table[b * p.W + j];
-      const int64_t r0 = std::max<int64_t>(start - j * bs, 0), r1 = std::min<int64_t>(n - j * bs, bs);
-      if (j + 1 < p.W && (j + 1) * bs < n) {
+      const int64_t t0 = std::max<int64_t>(first_key - j * bs, 0), t1 = std::min<int64_t>(last_key - j * bs, bs);
+      if (j + 1 < p.W && (j + 1) * bs < last_key) {
         p.K.prefetch(p.table[b * p.W + j + 1], h);
         p.V.prefetch(p.table[b * p.W + j + 1], h);
       }
       int64_t ldk, ldv;
-      const float* kt = load(p.K, p.staged.k, p.sinks.k, blk, h, r0, r1, kbuf.data(), &ldk);
-      for (int64_t g = 0; g < G; ++g) {
-        int64_t r = r0;
+      const float* kt = load(p.K, p.staged.k, p.sinks.k, blk, h, t0, t1, kbuf.data(), &ldk);
+      for (int64_t i = 0; i < n; ++i) {
+        r0s[i] = std::max<int64_t>(lo[i] - j * bs, 0);
+        r1s[i] = std::min<int64_t>(hi[i] - j * bs, bs);
+        for (int64_t g = i * G; r0s[i] < r1s[i] && g < (i + 1) * G; ++g) {
+          int64_t r = r0s[i];
 #ifdef __AVX2__
-        if constexpr (DK > 0 && DK % 8 == 0)
-          for (; r + 8 <= r1; r += 8) dot8<DK>(qs.data() + g * D, kt + r * ldk, ldk, s.data() + g * bs + r);
+          if constexpr (DK > 0 && DK % 8 == 0)
+            for (; r + 8 <= r1s[i]; r += 8) dot8<DK>(qs.data() + g * D, kt + r * ldk, ldk, s.data() + g * bs + r);
 #endif
-        for (; r < r1; ++r) s[g * bs + r] = dot(qs.data() + g * D, kt + r * ldk, D);
+          for (; r < r1s[i]; ++r) s[g * bs + r] = dot(qs.data() + g * D, kt + r * ldk, D);
+        }
       }
-      const float* vt = load(p.V, p.staged.v, p.sinks.v, blk, h, r0, r1, vbuf.data(), &ldv);
-      for (int64_t g = 0; g < G; ++g) {
+      const float* vt = load(p.V, p.staged.v, p.sinks.v, blk, h, t0, t1, vbuf.data(), &ldv);
+      for (int64_t g = 0; g < rows; ++g) {  // online softmax; weights outside a row's range become 0
+        const int64_t r0 = r0s[g / G], r1 = r1s[g / G];
         float* sg = s.data() + g * bs;
-        float* ag = acc.data() + g * Dv;
+        if (r0 >= r1) {
+          alpha[g] = 1.f;
+          std::fill(sg + t0, sg + t1, 0.f);
+          continue;
+        }
         const float top = std::max(m[g], *std::max_element(sg + r0, sg + r1));
-        const float alpha = m[g] == top ? 1.f : exp_nonpositive(m[g] - top);
+        alpha[g] = m[g] == top ? 1.f : exp_nonpositive(m[g] - top);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t r = r0; r < r1; ++r) {
           sg[r] = exp_nonpositive(sg[r] - top);
           sum += sg[r];
         }
-        l[g] = l[g] * alpha + sum;
+        std::fill(sg + t0, sg + r0, 0.f);
+        std::fill(sg + r1, sg + t1, 0.f);
+        l[g] = l[g] * alpha[g] + sum;
         m[g] = top;
-        if constexpr (DV > 0) {  // the accumulator stays in registers over the block's rows
-          float a[DV];
-          for (int c = 0; c < DV; ++c) a[c] = ag[c] * alpha;
-          for (int64_t r = r0; r < r1; ++r) {
-            const float w = sg[r];
-            const float* vr = vt + r * ldv;
-            for (int c = 0; c < DV; ++c) a[c] += w * vr[c];
-          }
-          std::copy_n(a, DV, ag);
-        } else {
-          for (int64_t c = 0; c < Dv; ++c) ag[c] *= alpha;
-          for (int64_t r = r0; r < r1; ++r) {
-            const float w = sg[r];
-            const float* vr = vt + r * ldv;
+      }
+#ifdef __AVX512F__
+      if constexpr (DV == 64) {  // up to 6 rows' accumulators in registers, each V row loaded once for them
+        for (int64_t g = 0; g < rows; g += 6) {
+          const int64_t k = std::min<int64_t>(6, rows - g);
+          float* a = acc.data() + g * DV;
+          const float* w = s.data() + g * bs;
+          if (k == 6) weigh_rows<6>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+          else if (k == 5) weigh_rows<5>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+          else if (k == 4) weigh_rows<4>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+          else if (k == 3) weigh_rows<3>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+          else if (k == 2) weigh_rows<2>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+          else weigh_rows<1>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+        }
+        continue;
+      }
+#endif
+      for (int64_t g = 0; g < rows; ++g) {
+        const float* sg = s.data() + g * bs;
+        float* ag = acc.data() + g * Dv;
+        for (int64_t c = 0; c < Dv; ++c) ag[c] *= alpha[g];
+        for (int64_t r = t0; r < t1; ++r) {
+          const float w = sg[r];
+          const float* vr = vt + r * ldv;
 #pragma omp simd
-            for (int64_t c = 0; c < Dv; ++c) ag[c] += w * vr[c];
-          }
+          for (int64_t c = 0; c < Dv; ++c) ag[c] += w * vr[c];
         }
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float* o = p.out + (b * p.H + h * G + g) * Dv;
+    for (int64_t g = 0; g < rows; ++g) {
+      float* o = p.out + ((run.first + g / G) * p.H + h * G + g % G) * Dv;
       const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
       for (int64_t c = 0; c < Dv; ++c) o[c] = acc[g * Dv + c] * inv;
     }
   }
 }
 
-at::Tensor paged_decode_cpu(const at::Tensor& q_in, const at::Tensor& table_in, const at::Tensor& lens_in,
-                            double scale, int64_t window, std::vector<int64_t> k_meta, std::vector<at::Tensor> k_parts,
-                            std::vector<int64_t> v_meta, std::vector<at::Tensor> v_parts,
-                            std::vector<at::Tensor> stage, std::vector<at::Tensor> sink) {
-  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "paged_decode: q must be fp32 [B, heads, dim]");
-  TORCH_CHECK(k_meta.size() == 3 && v_meta.size() == 3, "paged_decode: meta is [kind, bits, group]");
+// Sequence b owns queries [starts[b], starts[b + 1]) of q, the last ones of its lens[b] keys (they were
+// written to the cache before attention), in order.
+std::vector<Run> runs_of(const int64_t* starts, const int64_t* lens, int64_t B) {
+  std::vector<Run> runs;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t count = starts[b + 1] - starts[b];
+    TORCH_CHECK(count >= 0 && lens[b] >= count, "paged_attend: sequence ", b, " has ", count, " queries but ",
+                lens[b], " keys; each query's own key must be among its sequence's keys");
+    for (int64_t i = 0; i < count; i += MAX_RUN)
+      runs.push_back({b, starts[b] + i, std::min(MAX_RUN, count - i), lens[b] - count + i + 1});
+  }
+  return runs;
+}
+
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& starts_in, const at::Tensor& table_in,
+                  const at::Tensor& lens_in, double scale, int64_t window, const std::vector<int64_t>& k_meta,
+                  const std::vector<at::Tensor>& k_parts, const std::vector<int64_t>& v_meta,
+                  const std::vector<at::Tensor>& v_parts, const std::vector<at::Tensor>& stage,
+                  const std::vector<at::Tensor>& sink) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat, "paged attention: q must be fp32 [T, heads, dim]");
+  TORCH_CHECK(k_meta.size() == 3 && v_meta.size() == 3, "paged attention: meta is [kind, bits, group]");
   const at::Tensor q = q_in.contiguous();
   const at::Tensor table = table_in.to(at::kLong).contiguous();
   const at::Tensor lens = lens_in.to(at::kLong).contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const at::Tensor starts = starts_in.to(at::kLong).contiguous();
+  const int64_t B = table.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(lens.numel() == B && starts.numel() == B + 1 && starts[B].item<int64_t>() == q.size(0),
+              "paged attention: need one length per table row and query starts [B + 1] ending at q's row count");
   const int64_t bs = k_parts[0].size(1), kvh = k_parts[0].size(2);
   const int64_t Dv = side_dim(v_meta, v_parts[0]);
-  TORCH_CHECK(side_dim(k_meta, k_parts[0]) == D, "paged_decode: key dim differs from the query's");
-  TORCH_CHECK(H % kvh == 0, "paged_decode: query heads must be a multiple of KV heads");
+  TORCH_CHECK(side_dim(k_meta, k_parts[0]) == D, "paged attention: key dim differs from the query's");
+  TORCH_CHECK(H % kvh == 0, "paged attention: query heads must be a multiple of KV heads");
   const Side K(k_meta[0], k_meta[1], k_meta[2], bs, kvh, D, k_parts);
   const Side V(v_meta[0], v_meta[1], v_meta[2], bs, kvh, Dv, v_parts);
   const Exact staged(stage), sinks(sink);
-  at::Tensor out = at::zeros({B, H, Dv}, q.options());
-  const Problem p{K, V, staged, sinks, q.data_ptr<float>(), table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+  const std::vector<Run> runs = runs_of(starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), B);
+  at::Tensor out = at::zeros({q.size(0), H, Dv}, q.options());
+  const Problem p{K, V, staged, sinks, q.data_ptr<float>(), table.data_ptr<int64_t>(), runs,
                   out.data_ptr<float>(), H, table.size(1), H / kvh, kvh, bs, D, Dv, window,
                   static_cast<float>(scale)};
-  at::parallel_for(0, B * kvh, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) * kvh, 1, [&](int64_t begin, int64_t end) {
     if (D == 64 && Dv == 64) run_tasks<64, 64>(p, begin, end);
     else if (D == 128 && Dv == 128) run_tasks<128, 128>(p, begin, end);
     else run_tasks<0, 0>(p, begin, end);
@@ -167,7 +226,28 @@ at::Tensor paged_decode_cpu(const at::Tensor& q_in, const at::Tensor& table_in, 
   return out;
 }
 
+at::Tensor paged_attend_cpu(const at::Tensor& q, const at::Tensor& query_start, const at::Tensor& table,
+                            const at::Tensor& lens, double scale, int64_t window, std::vector<int64_t> k_meta,
+                            std::vector<at::Tensor> k_parts, std::vector<int64_t> v_meta,
+                            std::vector<at::Tensor> v_parts, std::vector<at::Tensor> stage,
+                            std::vector<at::Tensor> sink) {
+  return attend(q, query_start, table, lens, scale, window, k_meta, k_parts, v_meta, v_parts, stage, sink);
+}
+
+// One query per sequence: paged_attend with query starts 0, 1, ..., B.
+at::Tensor paged_decode_cpu(const at::Tensor& q, const at::Tensor& table, const at::Tensor& lens, double scale,
+                            int64_t window, std::vector<int64_t> k_meta, std::vector<at::Tensor> k_parts,
+                            std::vector<int64_t> v_meta, std::vector<at::Tensor> v_parts,
+                            std::vector<at::Tensor> stage, std::vector<at::Tensor> sink) {
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == table.size(0), "paged_decode: q must be [B, heads, dim], one row per table row");
+  const at::Tensor starts = at::arange(q.size(0) + 1, table.options().dtype(at::kLong));
+  return attend(q, starts, table, lens, scale, window, k_meta, k_parts, v_meta, v_parts, stage, sink);
+}
+
 }  // namespace
 }  // namespace kvforge
 
-TORCH_LIBRARY_IMPL(kvforge, CPU, m) { m.impl("paged_decode", &kvforge::paged_decode_cpu); }
+TORCH_LIBRARY_IMPL(kvforge, CPU, m) {
+  m.impl("paged_decode", &kvforge::paged_decode_cpu);
+  m.impl("paged_attend", &kvforge::paged_attend_cpu);
+}

@@ -30,7 +30,7 @@ inline float exp_nonpositive(float x) {
 }  // namespace kvforge
 
 #include <c10/util/Half.h>
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -126,6 +126,32 @@ inline void dot8(const float* q, const float* k, int64_t ld, float* out) {
   const __m256 a45 = _mm256_hadd_ps(acc[4], acc[5]), a67 = _mm256_hadd_ps(acc[6], acc[7]);
   const __m256 lo = _mm256_hadd_ps(a01, a23), hi = _mm256_hadd_ps(a45, a67);
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
+}
+#endif
+
+#ifdef __AVX512F__
+// acc[g] = acc[g] * alpha[g] + sum over rows r in [t0, t1) of w[g * ws + r] * v[r] for K rows g of 64 values:
+// the K accumulators stay in registers and each value row (stride ldv) is loaded once for all of them.
+template <int K>
+inline void weigh_rows(const float* w, int64_t ws, const float* v, int64_t ldv, int64_t t0, int64_t t1,
+                       const float* alpha, float* acc) {
+  __m512 a[K][4];
+  for (int g = 0; g < K; ++g)
+    for (int c = 0; c < 4; ++c) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * 64 + c * 16), _mm512_set1_ps(alpha[g]));
+  for (int64_t r = t0; r < t1; ++r) {
+    const float* vr = v + r * ldv;
+    const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
+                 v3 = _mm512_loadu_ps(vr + 48);
+    for (int g = 0; g < K; ++g) {
+      const __m512 wg = _mm512_set1_ps(w[g * ws + r]);
+      a[g][0] = _mm512_fmadd_ps(wg, v0, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(wg, v1, a[g][1]);
+      a[g][2] = _mm512_fmadd_ps(wg, v2, a[g][2]);
+      a[g][3] = _mm512_fmadd_ps(wg, v3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < K; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
 }
 #endif
 

@@ -1,0 +1,24 @@
+"""Weight kinds side by side (fp32 vs weight-only int8): prefill and decode tok/s per batch size on llama.cpp's
+batched-bench shapes, through `bench/llama_cpp.py`'s kvforge runner and round loop: each batch size runs both
+kinds once per round, alternating their order, medians over rounds, wall clock and (at one thread) per second of
+the thread's CPU time, which other jobs on a shared machine inflate much less. `ratio.decode_bN` = int8 / fp32.
+"""
+from __future__ import annotations
+
+from kvforge.bench.llama_cpp import KvforgeRunner, measure
+from kvforge.errors import ConfigError
+
+
+def weights_bench(loaded, kinds: tuple[str, ...] = ("fp32", "int8"), npp: int = 128, ntg: int = 64,
+                  npl: tuple[int, ...] = (1, 8), rounds: int = 3, seed: int = 0) -> dict:
+    if len(kinds) != 2 or rounds < 1:
+        raise ConfigError(f"give two weight kinds (baseline first) and rounds >= 1, got {list(kinds)} and {rounds}")
+    npl = list(npl)
+    runners = {kind: KvforgeRunner(loaded, npp, ntg, max(npl), kind) for kind in kinds}
+    rows = measure(runners, npp, ntg, npl, rounds, loaded.config.vocab_size, seed)
+    base, other = kinds
+    result = {"npp": npp, "ntg": ntg, "npl": npl, "rounds": rounds, "kinds": list(kinds), **rows}
+    for key, name in (("tok_s", "ratio"), ("tok_per_cpu_s", "ratio_cpu")):
+        result[name] = {f"decode_b{pl}": rows[other][f"b{pl}"][f"decode_{key}"] / rows[base][f"b{pl}"][f"decode_{key}"]
+                        for pl in npl}
+    return result
