@@ -249,9 +249,9 @@ def _prefill_one(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: in
     qh = q.transpose(0, 1)[None]
     if softcap:  # scaled_dot_product_attention has no soft-capping: scores written out
         group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = _cap(qh @ k.transpose(-1, -2) * scale, softcap).masked_fill_(~mask, float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v
+        kq, vq = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = _cap(qh @ kq.transpose(-1, -2) * scale, softcap).masked_fill_(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ vq
     else:
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     if meta.stats:
