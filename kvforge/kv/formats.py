@@ -6,8 +6,15 @@ from typing import ClassVar
 import torch
 
 from kvforge.errors import ConfigError
-from kvforge.kv.block_bytes import (LayerRows, flag_column, nbytes, put_rows, rows_as_bytes, stack_payloads,
-                                    tensor_from_columns)
+from kvforge.kv.block_bytes import (
+    LayerRows,
+    flag_column,
+    nbytes,
+    put_rows,
+    rows_as_bytes,
+    stack_payloads,
+    tensor_from_columns,
+)
 from kvforge.kv.layer_format import KVFormat, LayerKV, RawKV, RawSide
 from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: F401  (registered on import)
 from kvforge.kv.spec import KVCacheSpec

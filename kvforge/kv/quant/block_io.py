@@ -10,8 +10,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvforge.kv.block_bytes import (LayerRows, flag_column, nbytes, put_rows, rows_as_bytes, stack_payloads,
-                                    tensor_from_columns)
+from kvforge.kv.block_bytes import (
+    LayerRows,
+    flag_column,
+    nbytes,
+    put_rows,
+    rows_as_bytes,
+    stack_payloads,
+    tensor_from_columns,
+)
 
 STAGED, STAGE_FULL, SINKS = 1, 2, 4
 
