@@ -84,9 +84,7 @@ class AttentionMetadata:
         bucketing): (query index, None when the decode rows are all rows in order; block table; lengths)."""
         if self._all_decode_cache is None:
             rows = self.decode_rows
-            width = max(len(self.block_tables[i]) for i in rows)
-            table = torch.tensor([self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in rows],
-                                 dtype=torch.long)
+            table = self._padded_table(rows)
             lens = torch.tensor([self.context_lens[i] for i in rows], dtype=torch.long)
             identity = len(rows) == len(self.query_lens)
             q_index = None if identity else torch.tensor([self.query_start_loc[i] for i in rows], device=device)
@@ -99,9 +97,7 @@ class AttentionMetadata:
         if self._short_cache is None:
             rows = sorted(self.decode_rows + self.multi_rows)
             counts = [self.query_lens[i] for i in rows]
-            width = max(len(self.block_tables[i]) for i in rows)
-            table = torch.tensor([self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in rows],
-                                 dtype=torch.long)
+            table = self._padded_table(rows)
             starts = torch.tensor([0] + counts, dtype=torch.long).cumsum(0)
             lens = torch.tensor([self.context_lens[i] for i in rows], dtype=torch.long)
             identity = len(rows) == len(self.query_lens)
@@ -110,11 +106,15 @@ class AttentionMetadata:
             self._short_cache = None if q_index is None else q_index.to(device), starts, table.to(device), lens
         return self._short_cache
 
-    def _layout(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _padded_table(self, rows: list[int]) -> torch.Tensor:
+        """The rows' block tables as one [B, W] tensor, shorter ones padded with block 0 (masked by length)."""
         width = max(len(self.block_tables[i]) for i in rows)
-        table = torch.zeros(len(rows), width, dtype=torch.long)
-        for r, i in enumerate(rows):
-            table[r, : len(self.block_tables[i])] = torch.tensor(self.block_tables[i])
+        return torch.tensor([self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i in rows],
+                            dtype=torch.long)
+
+    def _layout(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        table = self._padded_table(rows)
+        width = table.shape[1]
         ctx = torch.tensor([self.context_lens[i] for i in rows])
         key_pos = torch.arange(width * self.block_size)
         valid = key_pos[None, :] < ctx[:, None]

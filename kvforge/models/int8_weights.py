@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kvforge.ops import layers as ops_layers
-from kvforge.ops.int8 import COMPILED_ROWS, dequantize, int8_linear, quantize_per_channel
+from kvforge.ops.int8 import COMPILED_ROWS, compiled_for, dequantize, int8_linear, quantize_per_channel
 
 INT8 = "_kvforge_int8"  # attribute of a weight tensor: its (int8 weight, per-row scale)
 DEQUANTIZED = "_kvforge_int8_dense"  # and its dequantized fp32 copy, for prefill chunks
@@ -24,12 +24,13 @@ FUSED = ("qkv_weight", "gate_up_weight")  # fused projections the models call th
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """ops.layers.linear, or for a quantized `weight` the int8 operator (decode's few rows) or, for more rows
-    (prefill chunks), ops.layers.linear on the dequantized weight, made once and kept (oneDNN packs it once)."""
+    """ops.layers.linear, or for a quantized `weight` the compiled int8 operator (decode's few rows) or, for more
+    rows (prefill chunks) and where no kernel is built, ops.layers.linear on the dequantized weight, made once
+    and kept (oneDNN packs it once)."""
     q = getattr(weight, INT8, None)
     if q is None:
         return ops_layers.linear(x, weight, bias)
-    if x.numel() // x.shape[-1] <= COMPILED_ROWS:
+    if x.numel() // x.shape[-1] <= COMPILED_ROWS and compiled_for(x):
         return int8_linear(x, q[0], q[1], bias)
     dense = getattr(weight, DEQUANTIZED, None)
     if dense is None:

@@ -41,22 +41,26 @@ def paged_decode(q: torch.Tensor, cache: LayerKV, block_table: torch.Tensor, con
     """Compiled decode attention for q [B, heads, dim] (row b: block_table[b], context_lens[b] keys, the
     last `window` of them when set) -> [B, heads, v_dim]; None when there is no compiled kernel for this
     device or layer format, and the caller runs its torch path."""
+    args = _compiled_cache_args(q, cache)
+    if args is None:
+        return None
+    lens = torch.as_tensor(context_lens, dtype=torch.long)
+    return torch.ops.kvforge.paged_decode(q, block_table, lens, scale, window or 0, *args)
+
+
+def _compiled_cache_args(q: torch.Tensor, cache: LayerKV) -> tuple | None:
+    """The cache's operator arguments, or None when no compiled kernel serves this device or layer format."""
     if q.device.type != "cpu" or disabled() or not load_compiled():
         return None
     raw = raw_view(cache)
-    if raw is None:
-        return None
-    lens = torch.as_tensor(context_lens, dtype=torch.long)
-    return torch.ops.kvforge.paged_decode(q, block_table, lens, scale, window or 0, *op_args(raw))
+    return None if raw is None else op_args(raw)
 
 
 def paged_attend(q: torch.Tensor, cache: LayerKV, query_start: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor | None:
     """Compiled attention for q [T, heads, dim], sequence b owning rows query_start[b]:query_start[b + 1] (the last
     of its context_lens[b] keys, each seeing keys up to its own position) -> [T, heads, v_dim]; None as paged_decode."""
-    if q.device.type != "cpu" or disabled() or not load_compiled():
+    args = _compiled_cache_args(q, cache)
+    if args is None:
         return None
-    raw = raw_view(cache)
-    if raw is None:
-        return None
-    return torch.ops.kvforge.paged_attend(q, query_start, block_table, context_lens, scale, window or 0, *op_args(raw))
+    return torch.ops.kvforge.paged_attend(q, query_start, block_table, context_lens, scale, window or 0, *args)

@@ -57,12 +57,16 @@ LIB.define("int8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) ->
 LIB.impl("int8_linear", int8_linear_reference, "CompositeExplicitAutograd")
 
 
+def compiled_for(x: torch.Tensor) -> bool:
+    """Whether the compiled int8_linear serves input x (fp32 on the CPU, kernels built)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not disabled() and load_compiled()
+
+
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] fp32 -> [..., N]: the compiled operator for few rows of fp32 CPU input, else dequantize + BLAS."""
     rows = x.numel() // x.shape[-1]
-    if (rows <= COMPILED_ROWS and x.device.type == "cpu" and x.dtype == torch.float32 and not disabled()
-            and load_compiled()):
+    if rows <= COMPILED_ROWS and compiled_for(x):
         out = torch.ops.kvforge.int8_linear(x.reshape(rows, x.shape[-1]), qweight, scale, bias)
         return out.view(*x.shape[:-1], qweight.shape[0])
     return dequantized_linear(x, qweight, scale, bias)

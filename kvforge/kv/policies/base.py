@@ -159,8 +159,8 @@ def recent(length: int, n: int) -> torch.Tensor:
 
 
 def top_with_recent(scores: torch.Tensor, budget: int, num_recent: int, sinks: int = 0) -> torch.Tensor:
-    """The num_recent last indices, the first `sinks`, and the highest-scoring others, budget in all, sorted."""
-    """scores: [length], or [..., length] for a kept set per leading index (then [..., budget])."""
+    """The num_recent last indices, the first `sinks`, and the highest-scoring others, budget in all, sorted.
+    scores: [length], or [..., length] for a kept set per leading index (then [..., budget])."""
     length = scores.shape[-1]
     if budget >= length:
         return torch.arange(length)
