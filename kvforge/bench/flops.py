@@ -1,10 +1,13 @@
-"""FLOP accounting for the roofline fraction, and the machine's measured fp32 matmul peak."""
+"""Roofline accounting: the FLOPs and the bytes the engine's forwards needed at least, and the machine's
+measured ceilings for each (fp32 matmul FLOP/s, streaming read bytes/s)."""
 from __future__ import annotations
 
 import time
 
 import torch
 from torch import nn
+
+from kvforge.kv.memory import bytes_per_token
 
 
 def measure_matmul_peak(device: torch.device, seconds: float = 1.0, m: int = 512, k: int = 576, n: int = 1536) -> float:
@@ -30,6 +33,19 @@ def _flops(fn, a: torch.Tensor, w: torch.Tensor, seconds: float) -> float:
     return 2 * a.shape[0] * a.shape[1] * w.shape[0] * reps / (time.perf_counter() - start)
 
 
+def measure_read_bandwidth(device: torch.device, seconds: float = 1.0, mib: int = 512) -> float:
+    """Bytes/s of streaming a tensor far larger than the caches once (a sum over it), at torch's thread count."""
+    x = torch.ones(mib * 2**20 // 4, device=device)
+    x.sum()
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        x.sum()
+        reps += 1
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    return x.numel() * 4 * reps / (time.perf_counter() - start)
+
+
 def linear_params(model: nn.Module, exclude: tuple[str, ...] = ("lm_head",)) -> int:
     """Weights that every token multiplies (the LM head is counted per sampled token instead)."""
     return sum(m.weight.numel() for name, m in model.named_modules()
@@ -42,3 +58,13 @@ def engine_flops(engine) -> float:
     head = model.lm_head.weight.numel()
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * r.attended_keys
     return 2.0 * linear_params(model) * r.forward_tokens + 2.0 * head * r.sampled_tokens + attention
+
+
+def engine_bytes(engine) -> float:
+    """Bytes the engine's forward passes had to move at least: every weight once per forward (the embedding
+    table is read by row, not counted) and every cached row attention read, at the pool's bytes per token."""
+    model, r = engine.runner.model, engine.runner
+    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+    kv = engine.runner.kv
+    per_token = bytes_per_token(kv.spec, kv.format, kv.block_size)
+    return float(weights) * r.forward_passes + per_token * r.context_rows

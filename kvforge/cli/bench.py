@@ -161,8 +161,10 @@ def run_throughput(args) -> int:
         ("speedup", result.get("speedup")),
         ("transformers output tok/s, kvforge's malloc setting", result.get("hf_same_allocator", {}).get("output_tok_s")),
         ("speedup, same malloc setting", result.get("speedup_same_allocator")),
-        ("roofline fraction", result["roofline_fraction"]),
+        ("roofline fraction (time the roofline allows / time taken)", result["roofline_fraction"]),
+        ("compute fraction (FLOP/s / matmul peak)", result["compute_fraction"]),
         ("matmul peak GFLOP/s", result["matmul_peak_gflops"]),
+        ("read bandwidth GB/s", result["read_bandwidth_gbs"]),
     ])
     return 0
 

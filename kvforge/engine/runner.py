@@ -28,6 +28,8 @@ class ModelRunner:
         self.forward_tokens = 0  # tokens pushed through the model, for FLOP accounting
         self.sampled_tokens = 0
         self.attended_keys = 0  # sum over query tokens of the keys each attended to
+        self.forward_passes = 0  # each reads every weight once: the memory side of the roofline
+        self.context_rows = 0  # sum over forwards and sequences of the cached rows attention reads
         self.evictor = None  # kvforge.kv.policies.Evictor when a KV policy evicts
         self.speculator = None  # kvforge.engine.spec.SpeculativeDecoder when speculative decoding is on
 
@@ -74,6 +76,8 @@ class ModelRunner:
         if self.speculator:
             self.speculator.observe(input_ids, meta)
         self.forward_tokens += input_ids.shape[0]
+        self.forward_passes += 1
+        self.context_rows += sum(meta.context_lens)
         self.attended_keys += sum(n * c - n * (n - 1) // 2 for n, c in zip(meta.query_lens, meta.context_lens))
         return hidden, sample_rows, meta.stats
 

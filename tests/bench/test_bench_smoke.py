@@ -4,7 +4,7 @@ import statistics
 import pytest
 import torch
 
-from kvforge.bench.flops import linear_params
+from kvforge.bench.flops import engine_bytes, linear_params
 from kvforge.bench.memory import memory_bench
 from kvforge.bench.prefix import prefix_bench
 from kvforge.bench.throughput import throughput_bench
@@ -12,7 +12,7 @@ from kvforge.bench.workload import random_workload
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.kv.formats import get_format
-from kvforge.kv.memory import sequences_that_fit
+from kvforge.kv.memory import bytes_per_token, sequences_that_fit
 
 
 def test_throughput_counts_the_same_tokens_for_both(tiny_loaded, tiny_dir):
@@ -31,9 +31,19 @@ def test_throughput_counts_the_same_tokens_for_both(tiny_loaded, tiny_dir):
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * sum(n * (n + 1) // 2 for n in lengths)
     expected = 2 * linear_params(model) * sum(lengths) + 2 * model.lm_head.weight.numel() * r["workload"]["output_tokens"]
     assert ours["flops"] == expected + attention
-    peak = r["matmul_peak_gflops"] * 1e9
-    assert r["roofline_fraction"] == pytest.approx(ours["flops"] / ours["seconds"] / peak, rel=1e-12)
-    assert 0 < r["roofline_fraction"] <= 1
+    peak, bandwidth = r["matmul_peak_gflops"] * 1e9, r["read_bandwidth_gbs"] * 1e9
+    assert r["compute_fraction"] == pytest.approx(ours["flops"] / ours["seconds"] / peak, rel=1e-12)
+    assert 0 < r["compute_fraction"] <= 1
+    # attention read each request's cache once per forward: its prompt, then one more row per decode step
+    assert engine.runner.context_rows == sum(sum(range(len(w.prompt_ids), n + 1)) for w, n in zip(workload, lengths))
+    passes, rows = engine.runner.forward_passes, engine.runner.context_rows
+    weights = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    moved = weights * passes + bytes_per_token(cfg.kv_cache_spec(), get_format("fp32"), 4) * rows
+    assert engine_bytes(engine) == moved
+    # a sum of per-step maxima lies between the larger and the sum of the two whole-run times
+    whole = (ours["flops"] / peak, moved / bandwidth)
+    assert max(whole) * (1 - 1e-9) <= ours["roofline_seconds"] <= sum(whole) * (1 + 1e-9)
+    assert r["roofline_fraction"] == pytest.approx(ours["roofline_seconds"] / ours["seconds"], rel=1e-12)
 
 
 def test_paged_layout_uses_memory_better_than_contiguous(tiny_loaded):
