@@ -7,43 +7,42 @@ import time
 import torch
 from torch import nn
 
+from kvforge.bench.timing import Clock, Span
 from kvforge.kv.memory import bytes_per_token
 
 
-def measure_matmul_peak(device: torch.device, seconds: float = 1.0, m: int = 512, k: int = 576, n: int = 1536) -> float:
-    """fp32 FLOP/s of a model-shaped matmul, the roofline's ceiling on this machine: the faster of torch's
-    F.linear and the engine's own linear (oneDNN on a packed weight on CPU, about twice MKL here)."""
+def measure_matmul_peak(device: torch.device, seconds: float = 1.0, m: int = 512, k: int = 576, n: int = 1536) -> Span:
+    """fp32 FLOP/s of a model-shaped matmul, the roofline's compute ceiling on this machine, per second of wall
+    time and of the calling thread's CPU time: the faster of torch's F.linear and the engine's own linear (oneDNN
+    on a packed weight on CPU, about twice MKL here)."""
     from kvforge.ops.layers import linear
 
     a = torch.randn(m, k, device=device)
     w = torch.randn(n, k, device=device)
     with torch.inference_mode():
-        return max(_flops(torch.nn.functional.linear, a, w, seconds), _flops(linear, a, w, seconds))
+        rates = [_rate(lambda f=fn: f(a, w), 2 * m * k * n, seconds) for fn in (torch.nn.functional.linear, linear)]
+    return Span(max(r.wall for r in rates), max(r.cpu for r in rates))
 
 
-def _flops(fn, a: torch.Tensor, w: torch.Tensor, seconds: float) -> float:
-    for _ in range(3):
-        fn(a, w)
-    reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        fn(a, w)
-        reps += 1
-    if a.device.type == "cuda":
-        torch.cuda.synchronize()
-    return 2 * a.shape[0] * a.shape[1] * w.shape[0] * reps / (time.perf_counter() - start)
-
-
-def measure_read_bandwidth(device: torch.device, seconds: float = 1.0, mib: int = 512) -> float:
-    """Bytes/s of streaming a tensor far larger than the caches once (a sum over it), at torch's thread count."""
+def measure_read_bandwidth(device: torch.device, seconds: float = 1.0, mib: int = 512) -> Span:
+    """Bytes/s of streaming a tensor far larger than the caches once (a sum over it), at torch's thread count,
+    per second of wall time and of the calling thread's CPU time."""
     x = torch.ones(mib * 2**20 // 4, device=device)
-    x.sum()
-    reps, start = 0, time.perf_counter()
+    return _rate(x.sum, x.numel() * 4, seconds)
+
+
+def _rate(fn, work: float, seconds: float) -> Span:
+    """work per second of fn, after warm-up, over about `seconds` of wall time."""
+    for _ in range(3):
+        fn()
+    reps, clock, start = 0, Clock(), time.perf_counter()
     while time.perf_counter() - start < seconds:
-        x.sum()
+        fn()
         reps += 1
-    if x.device.type == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return x.numel() * 4 * reps / (time.perf_counter() - start)
+    spent = clock.split()
+    return Span(work * reps / spent.wall, work * reps / max(spent.cpu, 1e-9))
 
 
 def linear_params(model: nn.Module, exclude: tuple[str, ...] = ("lm_head",)) -> int:

@@ -162,6 +162,7 @@ def run_throughput(args) -> int:
         ("transformers output tok/s, kvforge's malloc setting", result.get("hf_same_allocator", {}).get("output_tok_s")),
         ("speedup, same malloc setting", result.get("speedup_same_allocator")),
         ("roofline fraction (time the roofline allows / time taken)", result["roofline_fraction"]),
+        ("roofline fraction per CPU-second of this thread (meaningful at one thread)", result["roofline_fraction_cpu"]),
         ("compute fraction (FLOP/s / matmul peak)", result["compute_fraction"]),
         ("matmul peak GFLOP/s", result["matmul_peak_gflops"]),
         ("read bandwidth GB/s", result["read_bandwidth_gbs"]),

@@ -44,6 +44,10 @@ def test_throughput_counts_the_same_tokens_for_both(tiny_loaded, tiny_dir):
     whole = (ours["flops"] / peak, moved / bandwidth)
     assert max(whole) * (1 - 1e-9) <= ours["roofline_seconds"] <= sum(whole) * (1 + 1e-9)
     assert r["roofline_fraction"] == pytest.approx(ours["roofline_seconds"] / ours["seconds"], rel=1e-12)
+    peak, bandwidth = r["matmul_peak_gflops_per_cpu_second"] * 1e9, r["read_bandwidth_gbs_per_cpu_second"] * 1e9
+    whole = (ours["flops"] / peak, moved / bandwidth)
+    assert max(whole) * (1 - 1e-9) <= ours["roofline_cpu_seconds"] <= sum(whole) * (1 + 1e-9)
+    assert r["roofline_fraction_cpu"] == pytest.approx(ours["roofline_cpu_seconds"] / ours["cpu_seconds"], rel=1e-12)
 
 
 def test_paged_layout_uses_memory_better_than_contiguous(tiny_loaded):
