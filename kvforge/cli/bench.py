@@ -77,7 +77,8 @@ def register(sub) -> None:
                     help="texts the grounded passages come from (default: hamlet macbeth gpl-3)")
     sp.add_argument("--spec-options", default=None, help='options for every method as JSON, e.g. \'{"num_speculative_tokens": 8}\' (default: none)')
     sp.add_argument("--verify-cost", action="store_true",
-                    help="instead: time one verification step of 1 + k rows against a one-row decode step")
+                    help="instead: time verification steps of batch x (1 + k) rows against a plain decode step, at "
+                         "each of --batches, and fit the planner's verify_row_cost")
     _output_options(sp, model=True)
     sp.set_defaults(func=run_spec)
 
@@ -250,9 +251,14 @@ def run_spec(args) -> int:
     if args.verify_cost:
         from kvforge.bench.verify_cost import verify_cost
 
-        r = verify_cost(load_model(args.model))
-        _emit(r, args.json, [(name, (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), LM head '
-                                     f'{row["lm_head_ms"]:.1f} ms')) for name, row in r["steps"].items()])
+        loaded = load_model(args.model)
+        r = {f"b{b}": verify_cost(loaded, batch=b) for b in args.batches}
+        _emit(r, args.json, [(f"{key} {name}", (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), CPU '
+                                                f'{row["cpu_ms"]:.1f} ms ({row["cpu_vs_decode"]:.2f}x), LM head '
+                                                f'{row["lm_head_ms"]:.1f} ms'))
+                             for key, c in r.items() for name, row in c["steps"].items()]
+              + [(f"{key} verify_row_cost", (f'{c["verify_row_cost"]:.3f} (CPU {c["cpu_fixed_ms"]:.1f} ms + '
+                                             f'{c["cpu_per_row_ms"]:.2f} ms per row)')) for key, c in r.items()])
         return 0
     r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
                    args.passage_tokens, not args.no_progress, texts=tuple(args.texts),
