@@ -112,3 +112,24 @@ def test_adaptive_runs_are_reproducible(tiny_loaded):
 def test_bad_adaptive_options(options, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(speculative={"method": "ngram", **options})
+
+
+def _lookup_by_scan(ids, k, min_n, max_n):
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start: start + n] == ids[len(ids) - n:]:
+                return ids[start + n: start + n + k]
+    return []
+
+
+def test_the_incremental_ngram_index_proposes_what_a_full_scan_does():
+    import random
+
+    from kvforge.engine.spec.ngram import NgramIndex
+    rng = random.Random(0)
+    for min_n, max_n in ((1, 3), (2, 4), (3, 3)):
+        ids = [rng.randrange(4) for _ in range(3)]
+        index = NgramIndex(min_n, max_n)
+        for _ in range(120):
+            assert index.propose(ids, 5) == _lookup_by_scan(ids, 5, min_n, max_n)
+            ids += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]

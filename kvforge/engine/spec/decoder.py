@@ -9,7 +9,7 @@ from kvforge.engine.sampler import target_probs
 from kvforge.engine.scheduler import ScheduledBatch
 from kvforge.engine.spec.config import SpeculativeConfig
 from kvforge.engine.spec.model_drafter import PENDING, ModelDrafter
-from kvforge.engine.spec.ngram import propose_ngram
+from kvforge.engine.spec.ngram import NgramIndex
 from kvforge.engine.spec.planner import Candidate, SpeculationPlanner
 from kvforge.engine.spec.verify import verify_greedy, verify_sampled
 
@@ -25,6 +25,7 @@ class SpeculativeDecoder:
         self.accepted_per_position = [0] * k
         self.drafted_per_position = [0] * k
         self.draft_seconds = 0.0
+        self.ngrams: dict[str, NgramIndex] = {}  # each running sequence's n-gram index (method ngram)
         self.num_skipped_batch_size = 0  # sequence-steps without drafts because disable_by_batch_size was reached
         self.planner = SpeculationPlanner(config.verify_row_cost, config.acceptance_smoothing, config.probe_interval,
                                           config.max_probe_interval, drafter.cost_fraction if drafter else 0.0
@@ -54,7 +55,13 @@ class SpeculativeDecoder:
             if k > 0 and self.drafter is not None:
                 offers.append((seq, [PENDING] * k))
             elif k > 0:
-                offers.append((seq, propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)))
+                index = self.ngrams.get(seq.request_id)
+                if index is None:
+                    index = self.ngrams[seq.request_id] = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+                offers.append((seq, index.propose(seq.token_ids, k)))
+        if len(self.ngrams) > len(running):
+            alive = {seq.request_id for seq in running}
+            self.ngrams = {key: index for key, index in self.ngrams.items() if key in alive}
         if self.planner is not None:
             self.planner.retain({seq.request_id for seq in running})
             plan = self.planner.plan([Candidate(seq.request_id, len(d)) for seq, d in offers], num_decoding)
