@@ -76,6 +76,8 @@ def register(sub) -> None:
     sp.add_argument("--texts", nargs="*", default=["hamlet", "macbeth", "gpl-3"],
                     help="texts the grounded passages come from (default: hamlet macbeth gpl-3)")
     sp.add_argument("--spec-options", default=None, help='options for every method as JSON, e.g. \'{"num_speculative_tokens": 8}\' (default: none)')
+    sp.add_argument("--rounds", type=int, default=1, help="times each group of prompts runs on every arm, in "
+                    "alternating order (default: 1)")
     sp.add_argument("--verify-cost", action="store_true",
                     help="instead: time verification steps of batch x (1 + k) rows against a plain decode step, at "
                          "each of --batches, and fit the planner's verify_row_cost")
@@ -263,14 +265,14 @@ def run_spec(args) -> int:
     r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
                    args.passage_tokens, not args.no_progress, texts=tuple(args.texts),
                    spec_options=json_object("--spec-options", args.spec_options, '{"num_speculative_tokens": 8}'),
-                   draft_model=args.draft_model)
+                   draft_model=args.draft_model, rounds=args.rounds)
     rows = []
     for name in r["methods"]:
         for workload, by_batch in r[name].items():
             for key, row in by_batch.items():
                 off = r["off"][workload][key]["decode_tok_s"]
                 text = (f'decode {off:.1f} -> {row["decode_tok_s"]:.1f} tok/s, speedup {row["speedup"]:.2f} '
-                        f'(end to end {row["e2e_speedup"]:.2f}), acceptance '
+                        f'(CPU {row["cpu_speedup"]:.2f}, end to end {row["e2e_speedup"]:.2f}), acceptance '
                         f'{row["acceptance_rate"]:.2f}, mean length {row["mean_acceptance_length"]:.2f}, '
                         f'same output {row["same_output"]}')
                 rows.append((f"{name}.{workload}.{key}", text))

@@ -133,3 +133,18 @@ def test_the_incremental_ngram_index_proposes_what_a_full_scan_does():
         for _ in range(120):
             assert index.propose(ids, 5) == _lookup_by_scan(ids, 5, min_n, max_n)
             ids += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+
+
+def test_spec_bench_rounds_repeat_every_group_and_report_adaptivity(tiny_loaded):
+    from kvforge.bench.spec import spec_bench
+
+    workloads = {"grounded": lambda n: PROMPTS[:n]}
+    r = spec_bench(tiny_loaded, ["ngram"], batches=(2,), max_tokens=30, show=False, workloads=workloads, rounds=2,
+                   spec_options={"prompt_lookup_min": 1})
+    row = r["ngram"]["grounded"]["b2"]
+    assert row["same_output"] and row["output_tokens"] == r["off"]["grounded"]["b2"]["output_tokens"] == 2 * 2 * 30
+    assert row["cpu_speedup"] > 0 and row["num_draft_tokens"] > 0
+    assert {"num_skipped_low_acceptance", "num_skipped_batch_cost", "num_skipped_batch_size", "num_probes",
+            "num_trimmed_draft_tokens"} <= set(row)
+    with pytest.raises(ConfigError, match="rounds"):
+        spec_bench(tiny_loaded, ["ngram"], batches=(2,), show=False, workloads=workloads, rounds=0)

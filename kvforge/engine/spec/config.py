@@ -33,7 +33,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 16
     adaptive: bool = True
-    verify_row_cost: float = 0.05
+    verify_row_cost: float = 0.055
     acceptance_smoothing: float = 0.2
     probe_interval: int = 4
     max_probe_interval: int = 64
