@@ -7,7 +7,7 @@ alternating order (machine load drifts). `speedup` is the ratio of decode-phase 
 already has its first token; prefill is identical work), `cpu_speedup` that of decode-phase tokens per CPU-second of
 the stepping thread (steadier on a shared machine), `e2e_speedup` that of whole wall times.
 
-Methods: `ngram`; `layer_skip` (the first fifth and the last two fifths of the layers, 0-5 and 18-29 on SmolLM2:
+Methods: `ngram`; `ngram_fixed` (the same without adaptive planning: every sequence drafts all it can); `layer_skip` (the first fifth and the last two fifths of the layers, 0-5 and 18-29 on SmolLM2:
 the best of the subsets tried on the untrained model, see docs/results.md); `draft` with `draft_model` (without one, the target drafts for itself:
 a correctness check that must accept every draft, never a speedup).
 """
@@ -35,6 +35,7 @@ CHAT = ("Write a short story about a lighthouse keeper who finds a message in a 
         "Plan a one-day tour of an old European city.",
         "What makes a good team leader? Give examples.")
 METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 5},
+           "ngram_fixed": {"method": "ngram", "num_speculative_tokens": 5, "adaptive": False},
            "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
            "draft": {"method": "draft", "num_speculative_tokens": 3}}
 DEFAULT_METHODS = ("ngram", "layer_skip")
@@ -155,6 +156,9 @@ def spec_bench(loaded, methods: list[str] | None = None, batches: tuple[int, ...
     workloads = workloads or {"grounded": lambda n: grounded_prompts(tok, n, passage_tokens, texts),
                               "chat": lambda n: chat_prompts(tok, n)}
     names = methods or [*DEFAULT_METHODS, *(["draft"] if draft_model else [])]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ConfigError(f"spec bench: unknown methods {unknown}; allowed: {', '.join(METHODS)}")
     methods = {name: {**METHODS[name], **(spec_options or {})} for name in names}
     if "layer_skip" in methods and not {"layers", "num_layers"} & set(spec_options or {}):
         methods["layer_skip"]["layers"] = skip_layers(loaded.config.num_layers)

@@ -146,5 +146,7 @@ def test_spec_bench_rounds_repeat_every_group_and_report_adaptivity(tiny_loaded)
     assert row["cpu_speedup"] > 0 and row["num_draft_tokens"] > 0
     assert {"num_skipped_low_acceptance", "num_skipped_batch_cost", "num_skipped_batch_size", "num_probes",
             "num_trimmed_draft_tokens"} <= set(row)
+    with pytest.raises(ConfigError, match="unknown methods"):
+        spec_bench(tiny_loaded, ["eagle"], show=False, workloads=workloads)
     with pytest.raises(ConfigError, match="rounds"):
         spec_bench(tiny_loaded, ["ngram"], batches=(2,), show=False, workloads=workloads, rounds=0)
