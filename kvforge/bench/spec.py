@@ -4,9 +4,10 @@ Grounded prompts ask the model to copy, number or correct a passage of the shipp
 the input, where prompt lookup shines); chat prompts are open-ended. Greedy, so every method produces the
 same tokens. Each group of prompts runs with speculation off and with each method back to back, in
 alternating order (machine load drifts). `speedup` is the ratio of decode-phase output tok/s (steps where every request of a group
-already has its first token; prefill is identical work), `e2e_speedup` that of whole wall times.
+already has its first token; prefill is identical work), `cpu_speedup` that of decode-phase tokens per CPU-second of
+the stepping thread (steadier on a shared machine), `e2e_speedup` that of whole wall times.
 
-Methods: `ngram`; `layer_skip` (the first fifth and the last two fifths of the layers, 0-5 and 18-29 on SmolLM2:
+Methods: `ngram`; `ngram_fixed` (the same without adaptive planning: every sequence drafts all it can); `layer_skip` (the first fifth and the last two fifths of the layers, 0-5 and 18-29 on SmolLM2:
 the best of the subsets tried on the untrained model, see docs/results.md); `draft` with `draft_model` (without one, the target drafts for itself:
 a correctness check that must accept every draft, never a speedup).
 """
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from kvforge.bench.progress import Progress
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
+from kvforge.errors import ConfigError
 from kvforge.eval.texts import load_text
 from kvforge.sampling_params import SamplingParams
 
@@ -33,12 +35,14 @@ CHAT = ("Write a short story about a lighthouse keeper who finds a message in a 
         "Plan a one-day tour of an old European city.",
         "What makes a good team leader? Give examples.")
 METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 5},
+           "ngram_fixed": {"method": "ngram", "num_speculative_tokens": 5, "adaptive": False},
            "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
            "draft": {"method": "draft", "num_speculative_tokens": 3}}
 DEFAULT_METHODS = ("ngram", "layer_skip")
 
 
 GROUNDED_TEXTS = ("hamlet", "macbeth", "gpl-3")
+SKIP_COUNTERS = ("spec_num_skipped_", "spec_num_probes", "spec_num_trimmed_", "spec_num_draft_tokens")
 
 
 def skip_layers(num_layers: int) -> list[int]:
@@ -72,7 +76,7 @@ class _Arm:
         self.spec = spec
         self.engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 30, max_num_seqs=batch, enable_prefix_caching=False,
                                              speculative=spec), loaded)
-        self.seconds = self.decode_seconds = 0.0
+        self.seconds = self.decode_seconds = self.decode_cpu_seconds = 0.0
         self.decode_tokens = 0
         self.outputs: list[list[int]] = []
 
@@ -83,10 +87,11 @@ class _Arm:
         started: set[str] = set()
         done = {}
         while engine.has_unfinished_requests():
-            decoding, t = len(started) == len(ids), time.perf_counter()
+            decoding, t, cpu = len(started) == len(ids), time.perf_counter(), time.thread_time()
             outs = engine.step()
             if decoding:  # every request of the group has its first token: a pure decode step
                 self.decode_seconds += time.perf_counter() - t
+                self.decode_cpu_seconds += time.thread_time() - cpu
                 self.decode_tokens += sum(len(o.new_token_ids) for o in outs)
             for o in outs:
                 started.add(o.request_id)
@@ -98,29 +103,32 @@ class _Arm:
     def row(self) -> dict:
         tokens = sum(len(t) for t in self.outputs)
         row = {"seconds": self.seconds, "output_tokens": tokens, "output_tok_s": tokens / self.seconds,
-               "decode_seconds": self.decode_seconds,
-               "decode_tok_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0}
+               "decode_seconds": self.decode_seconds, "decode_cpu_seconds": self.decode_cpu_seconds,
+               "decode_tok_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
+               "decode_tok_per_cpu_s": self.decode_tokens / self.decode_cpu_seconds if self.decode_cpu_seconds else 0.0}
         if self.spec:
             s = self.engine.stats()
             row.update({"acceptance_rate": s["spec_acceptance_rate"],
                         "mean_acceptance_length": s["spec_mean_acceptance_length"],
                         "acceptance_per_position": s["spec_acceptance_per_position"],
-                        "draft_time_share": s["spec_draft_seconds"] / self.seconds})
+                        "draft_time_share": s["spec_draft_seconds"] / self.seconds,
+                        **{k[len("spec_"):]: v for k, v in s.items() if k.startswith(SKIP_COUNTERS)}})
         return row
 
 
 def _compare(loaded, methods: dict, prompts: list[list[int]], batch: int, max_tokens: int, label: str,
-             show: bool) -> tuple[dict, dict]:
+             show: bool, rounds: int = 1) -> tuple[dict, dict]:
     """Every group of `batch` prompts runs on each arm back to back, in alternating order, so a change in
-    machine load hits all arms alike."""
+    machine load hits all arms alike; `rounds` times over."""
     arms = {"off": _Arm(loaded, None, batch), **{name: _Arm(loaded, spec, batch) for name, spec in methods.items()}}
     order = list(arms)
     groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
-    progress = Progress(label, len(groups) * len(arms), show)
-    for g, group in enumerate(groups):
-        for name in order if g % 2 == 0 else order[::-1]:
-            arms[name].run_group(group, max_tokens)
-            progress.update()
+    progress = Progress(label, rounds * len(groups) * len(arms), show)
+    for r in range(rounds):
+        for g, group in enumerate(groups):
+            for name in order if (g + r) % 2 == 0 else order[::-1]:
+                arms[name].run_group(group, max_tokens)
+                progress.update()
     progress.close()
     off = arms.pop("off")
     rows = {}
@@ -128,6 +136,7 @@ def _compare(loaded, methods: dict, prompts: list[list[int]], batch: int, max_to
         row = arm.row()
         row["same_output"] = arm.outputs == off.outputs
         row["speedup"] = row["decode_tok_s"] / off.row()["decode_tok_s"]  # decode phase: prefill is the same work
+        row["cpu_speedup"] = row["decode_tok_per_cpu_s"] / off.row()["decode_tok_per_cpu_s"]
         row["e2e_speedup"] = off.seconds / arm.seconds
         rows[name] = row
     return off.row(), rows
@@ -136,14 +145,20 @@ def _compare(loaded, methods: dict, prompts: list[list[int]], batch: int, max_to
 def spec_bench(loaded, methods: list[str] | None = None, batches: tuple[int, ...] = (1, 8), prompts_b1: int = 3,
                max_tokens: int = 96, passage_tokens: int = 400, show: bool = True,
                workloads: dict[str, Callable[[int], list[list[int]]]] | None = None, texts=GROUNDED_TEXTS,
-               spec_options: dict | None = None, draft_model: str | None = None) -> dict:
+               spec_options: dict | None = None, draft_model: str | None = None, rounds: int = 1) -> dict:
     """workloads: name -> prompts for a count (default: 'grounded' from `texts` and 'chat', on the model's
     tokenizer); spec_options override every method's options (e.g. num_speculative_tokens); draft_model: the
-    `draft` method's model (default methods then include it; without one `draft` drafts with the target itself)."""
+    `draft` method's model (default methods then include it; without one `draft` drafts with the target itself);
+    rounds: times each group runs on every arm (order alternating)."""
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"spec bench: rounds must be an integer >= 1, got {rounds!r}")
     tok = loaded.tokenizer
     workloads = workloads or {"grounded": lambda n: grounded_prompts(tok, n, passage_tokens, texts),
                               "chat": lambda n: chat_prompts(tok, n)}
     names = methods or [*DEFAULT_METHODS, *(["draft"] if draft_model else [])]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ConfigError(f"spec bench: unknown methods {unknown}; allowed: {', '.join(METHODS)}")
     methods = {name: {**METHODS[name], **(spec_options or {})} for name in names}
     if "layer_skip" in methods and not {"layers", "num_layers"} & set(spec_options or {}):
         methods["layer_skip"]["layers"] = skip_layers(loaded.config.num_layers)
@@ -157,7 +172,7 @@ def spec_bench(loaded, methods: list[str] | None = None, batches: tuple[int, ...
         for batch in batches:
             prompts = make_prompts(prompts_b1 if batch == 1 else batch)
             key = f"b{batch}"
-            off, rows = _compare(loaded, methods, prompts, batch, max_tokens, f"{workload} {key}", show)
+            off, rows = _compare(loaded, methods, prompts, batch, max_tokens, f"{workload} {key}", show, rounds)
             result["off"].setdefault(workload, {})[key] = off
             for name, row in rows.items():
                 result[name].setdefault(workload, {})[key] = row

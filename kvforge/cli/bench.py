@@ -65,7 +65,7 @@ def register(sub) -> None:
     f.set_defaults(func=run_kv_formats)
 
     sp = bsub.add_parser("spec", help="speculative decoding vs plain decoding on grounded and open-ended prompts")
-    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods: ngram layer_skip draft (default: ngram layer_skip, plus draft "
+    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods: ngram ngram_fixed layer_skip draft (default: ngram layer_skip, plus draft "
                     "with --draft-model)")
     sp.add_argument("--draft-model", default=None, help="the draft method's model (default: the target itself, "
                     "a correctness check, not a speedup)")
@@ -76,8 +76,11 @@ def register(sub) -> None:
     sp.add_argument("--texts", nargs="*", default=["hamlet", "macbeth", "gpl-3"],
                     help="texts the grounded passages come from (default: hamlet macbeth gpl-3)")
     sp.add_argument("--spec-options", default=None, help='options for every method as JSON, e.g. \'{"num_speculative_tokens": 8}\' (default: none)')
+    sp.add_argument("--rounds", type=int, default=1, help="times each group of prompts runs on every arm, in "
+                    "alternating order (default: 1)")
     sp.add_argument("--verify-cost", action="store_true",
-                    help="instead: time one verification step of 1 + k rows against a one-row decode step")
+                    help="instead: time verification steps of batch x (1 + k) rows against a plain decode step, at "
+                         "each of --batches, and fit the planner's verify_row_cost")
     _output_options(sp, model=True)
     sp.set_defaults(func=run_spec)
 
@@ -253,21 +256,26 @@ def run_spec(args) -> int:
     if args.verify_cost:
         from kvforge.bench.verify_cost import verify_cost
 
-        r = verify_cost(load_model(args.model))
-        _emit(r, args.json, [(name, (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), LM head '
-                                     f'{row["lm_head_ms"]:.1f} ms')) for name, row in r["steps"].items()])
+        loaded = load_model(args.model)
+        r = {f"b{b}": verify_cost(loaded, batch=b) for b in args.batches}
+        _emit(r, args.json, [(f"{key} {name}", (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), CPU '
+                                                f'{row["cpu_ms"]:.1f} ms ({row["cpu_vs_decode"]:.2f}x), LM head '
+                                                f'{row["lm_head_ms"]:.1f} ms'))
+                             for key, c in r.items() for name, row in c["steps"].items()]
+              + [(f"{key} verify_row_cost", (f'{c["verify_row_cost"]:.3f} (CPU {c["cpu_fixed_ms"]:.1f} ms + '
+                                             f'{c["cpu_per_row_ms"]:.2f} ms per row)')) for key, c in r.items()])
         return 0
     r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
                    args.passage_tokens, not args.no_progress, texts=tuple(args.texts),
                    spec_options=json_object("--spec-options", args.spec_options, '{"num_speculative_tokens": 8}'),
-                   draft_model=args.draft_model)
+                   draft_model=args.draft_model, rounds=args.rounds)
     rows = []
     for name in r["methods"]:
         for workload, by_batch in r[name].items():
             for key, row in by_batch.items():
                 off = r["off"][workload][key]["decode_tok_s"]
                 text = (f'decode {off:.1f} -> {row["decode_tok_s"]:.1f} tok/s, speedup {row["speedup"]:.2f} '
-                        f'(end to end {row["e2e_speedup"]:.2f}), acceptance '
+                        f'(CPU {row["cpu_speedup"]:.2f}, end to end {row["e2e_speedup"]:.2f}), acceptance '
                         f'{row["acceptance_rate"]:.2f}, mean length {row["mean_acceptance_length"]:.2f}, '
                         f'same output {row["same_output"]}')
                 rows.append((f"{name}.{workload}.{key}", text))

@@ -28,7 +28,6 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V were computed; the scheduler owns it
         self.draft_token_ids: list[int] = []  # speculative tokens to verify in the coming step
-        self.spec_len: int | None = None  # this sequence's current draft length (adapts to its acceptance)
         self.finish_reason: str | None = None
         self.stop_text_len: int | None = None  # text is cut here when a stop string matched
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_token_ids))

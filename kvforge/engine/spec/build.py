@@ -39,5 +39,10 @@ def build_drafter(config: SpeculativeConfig, model: torch.nn.Module, kv: KVCache
                               f"{sorted(set(draft.config.layer_windows()), key=str)}")
         pool = KVPool(draft.config.kv_cache_spec(), kv.format, kv.num_blocks, kv.block_size,
                       next(model.parameters()).device, max_num_seqs)
-        return DraftModelDrafter(draft.model, pool)
+        return DraftModelDrafter(draft.model, pool, _num_parameters(draft.model) / _num_parameters(model))
     return None
+
+
+def _num_parameters(model: torch.nn.Module) -> int:
+    """Weights and buffers (int8 weights are buffers), at least 1."""
+    return max(1, sum(t.numel() for t in (*model.parameters(), *model.buffers())))

@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 from kvforge.errors import ConfigError
 
 METHODS = ("ngram", "layer_skip", "draft")
-_INTS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+_INTS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size", "probe_interval",
+         "max_probe_interval")
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,13 @@ class SpeculativeConfig:
     num_speculative_tokens: most tokens drafted per sequence and step.
     prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first (ngram).
     disable_by_batch_size: no drafting while this many sequences run (verification then costs more than it saves).
+    adaptive: plan each step's drafts from each sequence's acceptance and the batch (engine/spec/planner.py);
+    False drafts num_speculative_tokens for every sequence whenever the drafter has them.
+    verify_row_cost: the planner's cost of one more row in a step, as a fraction of a step's fixed cost
+    (`kvforge bench spec --verify-cost` fits it on a machine; the default is this project's CPU measurement).
+    acceptance_smoothing: weight of each verified draft position in a sequence's moving-average acceptance.
+    probe_interval / max_probe_interval: steps a sequence left without drafts waits before it drafts one token
+    to re-measure its acceptance; each failed probe doubles the wait up to the maximum.
     """
 
     method: str = "ngram"
@@ -24,6 +32,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 16
+    adaptive: bool = True
+    verify_row_cost: float = 0.055
+    acceptance_smoothing: float = 0.2
+    probe_interval: int = 4
+    max_probe_interval: int = 64
     num_layers: int | None = None
     layers: tuple[int, ...] | None = None
     model: str | None = None
@@ -38,6 +51,7 @@ class SpeculativeConfig:
         if bad:
             raise ConfigError(f"speculative: {', '.join(bad)} must be integers >= 1, got "
                               + ", ".join(f"{n}={ints[n]!r}" for n in bad))
+        self._check_adaptive()
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                               f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -48,6 +62,18 @@ class SpeculativeConfig:
                                   f">= 0, got {self.layers!r}")
             object.__setattr__(self, "layers", layers)
         self._check_method_options()
+
+    def _check_adaptive(self) -> None:
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative: adaptive must be true or false, got {self.adaptive!r}")
+        cost, w = self.verify_row_cost, self.acceptance_smoothing
+        if not _number(cost) or not 0 <= cost < float("inf"):
+            raise ConfigError(f"speculative: verify_row_cost must be a finite number >= 0, got {cost!r}")
+        if not _number(w) or not 0 < w <= 1:
+            raise ConfigError(f"speculative: acceptance_smoothing must be a number in (0, 1], got {w!r}")
+        if self.probe_interval > self.max_probe_interval:
+            raise ConfigError(f"speculative: probe_interval ({self.probe_interval}) must be <= max_probe_interval "
+                              f"({self.max_probe_interval})")
 
     def _check_method_options(self) -> None:
         layer_opts = self.num_layers is not None or self.layers is not None
@@ -81,6 +107,10 @@ class SpeculativeConfig:
         if unknown:
             raise ConfigError(f"speculative: unknown options {unknown}; allowed: {sorted(known)}")
         return cls(**value)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _positive_int(v) -> bool:

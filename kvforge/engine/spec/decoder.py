@@ -1,4 +1,4 @@
-"""SpeculativeDecoder: drafts before a step, verifies after it, adapts each sequence's draft length, counts."""
+"""SpeculativeDecoder: drafts before a step (as many as the planner allows), verifies after it, counts."""
 from __future__ import annotations
 
 import time
@@ -9,7 +9,8 @@ from kvforge.engine.sampler import target_probs
 from kvforge.engine.scheduler import ScheduledBatch
 from kvforge.engine.spec.config import SpeculativeConfig
 from kvforge.engine.spec.model_drafter import PENDING, ModelDrafter
-from kvforge.engine.spec.ngram import propose_ngram
+from kvforge.engine.spec.ngram import NgramIndex
+from kvforge.engine.spec.planner import Candidate, SpeculationPlanner
 from kvforge.engine.spec.verify import verify_greedy, verify_sampled
 
 
@@ -24,25 +25,49 @@ class SpeculativeDecoder:
         self.accepted_per_position = [0] * k
         self.drafted_per_position = [0] * k
         self.draft_seconds = 0.0
+        self.ngrams: dict[str, NgramIndex] = {}  # each running sequence's n-gram index (method ngram)
+        self.num_skipped_batch_size = 0  # sequence-steps without drafts because disable_by_batch_size was reached
+        self.planner = SpeculationPlanner(config.verify_row_cost, config.acceptance_smoothing, config.probe_interval,
+                                          config.max_probe_interval, drafter.cost_fraction if drafter else 0.0
+                                          ) if config.adaptive else None
 
     def propose(self, running: list) -> None:
         """Set each decoding sequence's draft_token_ids for the coming step (empty when it should not draft).
         A model drafter reserves PENDING positions here; `draft` fills those the scheduler kept."""
         start = time.perf_counter()
-        active = len(running) < self.config.disable_by_batch_size
         c = self.config
+        active = len(running) < c.disable_by_batch_size
+        num_decoding, offers = 0, []
         for seq in running:
             seq.draft_token_ids = []
-            if not active or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.has_penalties:
+            if seq.num_computed_tokens != seq.num_tokens - 1:
+                continue  # still prefilling
+            num_decoding += 1
+            if seq.params.has_penalties:
                 continue  # penalties depend on every token before a position: such sequences decode one by one
+            if not active:
+                self.num_skipped_batch_size += 1
+                continue
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.length_limit - seq.num_tokens) - 1
-            k = min(seq.spec_len or c.num_speculative_tokens, room)
+            k = min(c.num_speculative_tokens, room)
             if self.evictor is not None and k > 0:  # stop where token-by-token decoding would compact the cache
                 k = self.evictor.tokens_before_compaction(seq, k + 1) - 1
             if k > 0 and self.drafter is not None:
-                seq.draft_token_ids = [PENDING] * k
+                offers.append((seq, [PENDING] * k))
             elif k > 0:
-                seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+                index = self.ngrams.get(seq.request_id)
+                if index is None:
+                    index = self.ngrams[seq.request_id] = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+                offers.append((seq, index.propose(seq.token_ids, k)))
+        if len(self.ngrams) > len(running):
+            alive = {seq.request_id for seq in running}
+            self.ngrams = {key: index for key, index in self.ngrams.items() if key in alive}
+        if self.planner is not None:
+            self.planner.retain({seq.request_id for seq in running})
+            plan = self.planner.plan([Candidate(seq.request_id, len(d)) for seq, d in offers], num_decoding)
+            offers = [(seq, d[:plan[seq.request_id]]) for seq, d in offers]
+        for seq, drafts in offers:
+            seq.draft_token_ids = drafts
         self.draft_seconds += time.perf_counter() - start
 
     def draft(self, batch: ScheduledBatch, runner) -> None:
@@ -86,8 +111,8 @@ class SpeculativeDecoder:
         for i in range(drafted):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < accepted
-        k = seq.spec_len or self.config.num_speculative_tokens
-        seq.spec_len = min(self.config.num_speculative_tokens, k + 1) if accepted == drafted else max(1, accepted + 1)
+        if self.planner is not None:
+            self.planner.record(seq.request_id, drafted, accepted)
 
     def stats(self) -> dict:
         drafts, drafted = self.num_drafts, self.num_draft_tokens
@@ -101,5 +126,7 @@ class SpeculativeDecoder:
             "spec_acceptance_per_position": [a / d if d else 0.0 for a, d in
                                              zip(self.accepted_per_position, self.drafted_per_position)],
             "spec_draft_seconds": self.draft_seconds,
+            "spec_num_skipped_batch_size": self.num_skipped_batch_size,
+            **(self.planner.stats() if self.planner is not None else {}),
             **(self.drafter.stats() if self.drafter is not None else {}),
         }

@@ -24,9 +24,9 @@ from kvforge.models.loader import LoadedModel, load_model
 
 
 class DraftModelDrafter(ModelDrafter):
-    def __init__(self, model: torch.nn.Module, pool: KVPool):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, cost_fraction: float):
         self.pool = pool
-        super().__init__(lambda ids, meta: model(ids, meta, pool), model.compute_logits)
+        super().__init__(lambda ids, meta: model(ids, meta, pool), model.compute_logits, cost_fraction)
 
     @torch.inference_mode()
     def observe(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -24,7 +24,8 @@ class LayerSkipDrafter(ModelDrafter):
             raise ConfigError(f"speculative layer_skip needs a model that can run a subset of its layers; "
                               f"{type(model).__name__} cannot (supported: the llama family)")
         self.layers = layers
-        super().__init__(lambda ids, meta: model(ids, meta, pool, layers=layers), model.compute_logits)
+        super().__init__(lambda ids, meta: model(ids, meta, pool, layers=layers), model.compute_logits,
+                         len(layers) / len(model.model.layers))
 
     def stats(self) -> dict:
         return {"spec_draft_layers": list(self.layers)}

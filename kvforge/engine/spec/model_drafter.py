@@ -19,8 +19,9 @@ PENDING = -1  # a reserved draft position whose token the drafter has not chosen
 
 class ModelDrafter:
     def __init__(self, forward: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor],
-                 compute_logits: Callable[[torch.Tensor], torch.Tensor]):
-        self.forward, self.compute_logits = forward, compute_logits
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor], cost_fraction: float):
+        """cost_fraction: a drafted token's work as a fraction of a target row's (the adaptive planner's input)."""
+        self.forward, self.compute_logits, self.cost_fraction = forward, compute_logits, cost_fraction
 
     @torch.inference_mode()
     def draft(self, seqs: list, meta: AttentionMetadata, device: torch.device) -> None:
