@@ -18,6 +18,7 @@ LIB = torch.library.Library("kvforge", "FRAGMENT")
 COMPILED_ROWS = 16  # up to this many rows the operator; more: dequantize + BLAS
 INT8_MAX = 127.0
 BLOCK, CHUNK, LANES = 32, 64, 16  # x's columns per int8 scale; per vpdpbusd; its int32 lanes
+TILE = 4  # weight rows interleaved in the packed layout
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,6 +31,21 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return qweight.float() * scale[:, None]
+
+
+def pack(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the operator's layout [ceil(N / 4), ceil(K / 64), 4, 64], zero-padded: each tile of 4 rows
+    interleaved per 64-column chunk, so the kernel reads the weights as one linear stream."""
+    n, k = qweight.shape
+    tiles, chunks = -(-n // TILE), -(-k // CHUNK)
+    padded = F.pad(qweight, (0, chunks * CHUNK - k, 0, tiles * TILE - n))
+    return padded.view(tiles, TILE, chunks, CHUNK).transpose(1, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack's inverse: the int8 [n, k] weight."""
+    tiles, chunks = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(tiles * TILE, chunks * CHUNK)[:n, :k]
 
 
 def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,18 +69,19 @@ def lane_sum(lanes: torch.Tensor) -> torch.Tensor:
     return lanes[..., 0]
 
 
-def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+def int8_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The operator's definition: x rounded to int8 per 32-column block; per 64-column chunk, 16 lanes of exact
-    integer sums over 4 columns each (float64 here, int32 in the kernel), each times its block's scale and added
-    into an fp32 lane, chunk after chunk; the lanes summed by lane_sum, times the weight row's scale."""
+    """The operator's definition, on weights packed by `pack`: x rounded to int8 per 32-column block; per 64-column
+    chunk, 16 lanes of exact integer sums over 4 columns each (float64 here, int32 in the kernel), each times its
+    block's scale and added into an fp32 lane, chunk after chunk; the lanes summed by lane_sum, times the weight
+    row's scale."""
     q, block_scale = quantize_blocks(x)
     rows, width = q.shape
     chunks = width // CHUNK
-    w = F.pad(qweight.double(), (0, width - qweight.shape[1])).view(-1, chunks, LANES, 4)
+    w = unpack(packed, scale.numel(), width).double().view(-1, chunks, LANES, 4)  # zeros past K
     dots = torch.einsum("mclj,nclj->mncl", q.double().view(rows, chunks, LANES, 4), w).float()
     lane_scale = block_scale.repeat_interleave(BLOCK // 4, dim=1).view(rows, 1, chunks, LANES)
-    acc = torch.zeros(rows, qweight.shape[0], LANES)
+    acc = torch.zeros(rows, scale.numel(), LANES)
     for c in range(chunks):
         acc = acc + dots[:, :, c] * lane_scale[:, :, c]
     out = lane_sum(acc) * scale[None, :]
@@ -77,7 +94,7 @@ def dequantized_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     return F.linear(x, dequantize(qweight, scale), bias)
 
 
-LIB.define("int8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor")
+LIB.define("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor")
 LIB.impl("int8_linear", int8_linear_reference, "CompositeExplicitAutograd")
 
 
@@ -87,11 +104,12 @@ def compiled_for(x: torch.Tensor) -> bool:
             and torch._C._dispatch_has_kernel_for_dispatch_key("kvforge::int8_linear", "CPU"))
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32 -> [..., N]: the compiled operator for few rows of fp32 CPU input, else dequantize + BLAS."""
-    rows = x.numel() // x.shape[-1]
+    """x [..., K] fp32 -> [..., N] on weights packed by `pack`: the compiled operator for few rows of fp32 CPU input,
+    else dequantize + BLAS."""
+    rows, k = x.numel() // x.shape[-1], x.shape[-1]
     if rows <= COMPILED_ROWS and compiled_for(x):
-        out = torch.ops.kvforge.int8_linear(x.reshape(rows, x.shape[-1]), qweight, scale, bias)
-        return out.view(*x.shape[:-1], qweight.shape[0])
-    return dequantized_linear(x, qweight, scale, bias)
+        out = torch.ops.kvforge.int8_linear(x.reshape(rows, k), packed, scale, bias)
+        return out.view(*x.shape[:-1], scale.numel())
+    return dequantized_linear(x, unpack(packed, scale.numel(), k), scale, bias)

@@ -13,7 +13,7 @@ from kvforge.engine.scoring import position_logits
 from kvforge.errors import ConfigError
 from kvforge.models.int8_weights import INT8, Int8Linear, is_quantized
 from kvforge.models.loader import load_model
-from kvforge.ops.int8 import dequantize, int8_linear_reference, quantize_per_channel
+from kvforge.ops.int8 import dequantize, int8_linear_reference, pack, quantize_per_channel
 
 TOKENS = torch.randint(0, 96, (50,), generator=torch.Generator().manual_seed(1)).tolist()
 
@@ -41,10 +41,11 @@ def int8_operator_copy(hf):
     for module in ref.modules():
         if isinstance(module, torch.nn.Linear):
             q, scale = quantize_per_channel(module.weight)
+            packed = pack(q)
 
-            def forward(x, q=q, scale=scale, bias=module.bias):
-                out = int8_linear_reference(x.reshape(-1, x.shape[-1]), q, scale, bias)
-                return out.view(*x.shape[:-1], q.shape[0])
+            def forward(x, packed=packed, scale=scale, bias=module.bias):
+                out = int8_linear_reference(x.reshape(-1, x.shape[-1]), packed, scale, bias)
+                return out.view(*x.shape[:-1], scale.numel())
 
             module.forward = forward
     return ref

@@ -11,8 +11,10 @@ from kvforge.ops.int8 import (
     dequantized_linear,
     int8_linear,
     int8_linear_reference,
+    pack,
     quantize_blocks,
     quantize_per_channel,
+    unpack,
 )
 
 compiled = pytest.mark.skipif(not load_compiled() or not compiled_for(torch.zeros(1)),
@@ -31,6 +33,15 @@ def test_quantization_is_symmetric_per_output_channel():
     assert torch.equal(q.abs().amax(dim=1)[torch.arange(37) != 5], torch.full((36,), 127, dtype=torch.int8))
     assert torch.equal(q[5], torch.zeros(50, dtype=torch.int8))
     assert ((dequantize(q, scale) - w).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()
+
+
+def test_packing_interleaves_tiles_of_four_rows_per_chunk_and_round_trips():
+    q = torch.randint(-127, 128, (10, 70), dtype=torch.int8)
+    packed = pack(q)
+    assert packed.shape == (3, 2, 4, 64) and packed.is_contiguous()
+    assert torch.equal(packed[1, 0, 2], q[6, :64]) and torch.equal(packed[0, 1, 3, :6], q[3, 64:])
+    assert not packed[0, 1, :, 6:].any() and not packed[2, :, 2:].any()  # zeros past K and past N
+    assert torch.equal(unpack(packed, 10, 70), q)
 
 
 def test_activation_blocks_round_to_int8():
@@ -54,7 +65,7 @@ def test_reference_is_the_scaled_sum_of_its_block_dot_products():
     w = torch.nn.functional.pad(q.double(), (0, xq.shape[1] - 200)).view(40, -1, 32)
     blocks = torch.einsum("mbj,nbj->mnb", xq.double().view(3, -1, 32), w)
     exact = (blocks * block_scale.double()[:, None, :]).sum(dim=2) * scale.double()
-    ours = int8_linear_reference(x, q, scale)
+    ours = int8_linear_reference(x, pack(q), scale)
     torch.testing.assert_close(ours.double(), exact, rtol=1e-5, atol=1e-5)
     assert 0 < relative_error(ours, dequantized_linear(x, q, scale)) < 0.01  # the int8 rounding of x
 
@@ -70,8 +81,9 @@ def test_compiled_kernel_matches_reference(rows, shape, bias):
     x = torch.randn(rows, k, generator=g) * torch.logspace(-2, 1, k, dtype=torch.float32)
     x[0, : min(k, 40)] = 0.0  # an all-zero block
     b = torch.randn(n, generator=g) if bias else None
-    ours = torch.ops.kvforge.int8_linear(x, q, scale, b)
-    assert torch.equal(ours, int8_linear_reference(x, q, scale, b))  # K = 16, 33, 50, 100: partial blocks/chunks
+    packed = pack(q)
+    ours = torch.ops.kvforge.int8_linear(x, packed, scale, b)
+    assert torch.equal(ours, int8_linear_reference(x, packed, scale, b))  # K = 16, 33, 50, 100: partial blocks/chunks
 
 
 @compiled
@@ -81,10 +93,11 @@ def test_dispatch_by_rows_and_leading_dims():
     q, scale = quantize_per_channel(torch.randn(64, 96))
     for shape in [(3, 96), (2, 4, 96), (40, 96)]:
         x = torch.randn(*shape)
-        out = int8_linear(x, q, scale)
+        out = int8_linear(x, pack(q), scale)
         assert out.shape == (*shape[:-1], 64)
         flat = x.reshape(-1, 96)
-        want = int8_linear_reference(flat, q, scale) if flat.shape[0] <= 16 else dequantized_linear(flat, q, scale)
+        few = flat.shape[0] <= 16
+        want = int8_linear_reference(flat, pack(q), scale) if few else dequantized_linear(flat, q, scale)
         assert torch.equal(out.reshape(-1, 64), want)
         assert relative_error(out, dequantized_linear(x, q, scale)) < 0.01
 
@@ -94,4 +107,4 @@ def test_without_the_compiled_kernel_the_reference_serves(monkeypatch):
     q, scale = quantize_per_channel(torch.randn(24, 80))
     x = torch.randn(2, 80)
     assert not compiled_for(x)
-    assert torch.equal(int8_linear(x, q, scale), dequantized_linear(x, q, scale))
+    assert torch.equal(int8_linear(x, pack(q), scale), dequantized_linear(x, q, scale))

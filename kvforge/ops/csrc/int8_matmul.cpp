@@ -70,87 +70,74 @@ inline float lane_sum(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-constexpr int kPrefetchTiles = 4;  // how far ahead of the tile in work its weights are prefetched (into L2)
+constexpr int kTile = 4;  // rows of Wq per tile, interleaved per 64-column chunk in the packed layout
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the loads the packed weights are prefetched (into L2)
 
-// Rows [n0, n0 + NR) of Wq against rows [m0, m0 + MR) of x. The first row group of a tile prefetches the weights
-// kPrefetchTiles tiles ahead (a tile's NR rows are one contiguous span of Wq): without it a step reads Wq at about
-// half the speed, as each row is too short for the hardware prefetcher.
-template <int NR, int MR>
-inline void tile(const QuantizedRows& xq, const int8_t* w, const float* scale, float* y, int64_t K, int64_t N,
-                 int64_t m0, int64_t n0, bool prefetch) {
-  const int64_t width = xq.chunks * kChunk, lanes = xq.chunks * kLanes, full = K / kChunk;
-  const __mmask64 tail = (K % kChunk) ? (~0ull >> (kChunk - K % kChunk)) : 0;
+// Tile t of the packed Wq ([tiles, chunks, 4, 64], one linear stream) against rows [m0, m0 + MR) of x. The first
+// row group of a tile prefetches ahead; rows of Wq past N (zeros) are computed, not stored.
+template <int MR>
+inline void tile(const QuantizedRows& xq, const int8_t* w, const float* scale, float* y, int64_t N, int64_t m0,
+                 int64_t t, bool prefetch) {
+  const int64_t width = xq.chunks * kChunk, lanes = xq.chunks * kLanes;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int8_t* wt = w + n0 * K;
-  const int8_t* ahead = wt + kPrefetchTiles * NR * K;
-  __m512 acc[NR][MR];
-  for (int r = 0; r < NR; ++r)
+  const int8_t* wt = w + t * xq.chunks * kTile * kChunk;
+  __m512 acc[kTile][MR];
+  for (int r = 0; r < kTile; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t c = 0; c < xq.chunks; ++c) {
-    __m512i wv[NR];
-    for (int r = 0; r < NR; ++r) {
-      const int8_t* p = wt + r * K + c * kChunk;
-      const __m512i raw = c < full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(tail, p);
-      wv[r] = _mm512_xor_si512(raw, flip);
-    }
+    const int8_t* p = wt + c * kTile * kChunk;
+    __m512i wv[kTile];
+    for (int r = 0; r < kTile; ++r) wv[r] = _mm512_xor_si512(_mm512_loadu_si512(p + r * kChunk), flip);
     if (prefetch)
-      for (int r = 0; r < NR; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + (c * NR + r) * kChunk), _MM_HINT_T1);
+      for (int r = 0; r < kTile; ++r) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + r * kChunk),
+                                                   _MM_HINT_T1);
     for (int m = 0; m < MR; ++m) {
       const int64_t row = m0 + m;
       const __m512i xv = _mm512_loadu_si512(xq.q.data() + row * width + c * kChunk);
       const __m512i fix = _mm512_loadu_si512(xq.fix.data() + row * lanes + c * kLanes);
       const __m512 d = _mm512_loadu_ps(xq.d.data() + row * lanes + c * kLanes);
-      for (int r = 0; r < NR; ++r) {
+      for (int r = 0; r < kTile; ++r) {
         const __m512 dots = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(fix, wv[r], xv));
         acc[r][m] = _mm512_add_round_ps(acc[r][m], _mm512_mul_round_ps(dots, d, kRound), kRound);
       }
     }
   }
-  for (int r = 0; r < NR; ++r)
+  const int64_t n0 = t * kTile, rows = std::min<int64_t>(kTile, N - n0);
+  for (int r = 0; r < rows; ++r)
     for (int m = 0; m < MR; ++m) y[(m0 + m) * N + n0 + r] = lane_sum(acc[r][m]) * scale[n0 + r];
 }
 
-template <int NR>
-void row_groups(const QuantizedRows& xq, const int8_t* w, const float* s, float* y, int64_t K, int64_t N,
-                int64_t M, int64_t n0) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const bool first = m0 == 0;
-    switch (std::min<int64_t>(4, M - m0)) {
-      case 1: tile<NR, 1>(xq, w, s, y, K, N, m0, n0, first); break;
-      case 2: tile<NR, 2>(xq, w, s, y, K, N, m0, n0, first); break;
-      case 3: tile<NR, 3>(xq, w, s, y, K, N, m0, n0, first); break;
-      default: tile<NR, 4>(xq, w, s, y, K, N, m0, n0, first); break;
+void tiles(const QuantizedRows& xq, const int8_t* w, const float* s, float* y, int64_t N, int64_t M, int64_t t0,
+           int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {  // later row groups find the tile in L1
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: tile<1>(xq, w, s, y, N, m0, t, m0 == 0); break;
+        case 2: tile<2>(xq, w, s, y, N, m0, t, m0 == 0); break;
+        case 3: tile<3>(xq, w, s, y, N, m0, t, m0 == 0); break;
+        default: tile<4>(xq, w, s, y, N, m0, t, m0 == 0); break;
+      }
     }
-  }
-}
-
-void output_rows(const QuantizedRows& xq, const int8_t* w, const float* s, float* y, int64_t K, int64_t N,
-                 int64_t M, int64_t n0, int64_t n1) {
-  constexpr int kTile = 4;  // 8 rows of Wq for one row of x stream no faster (short rows: 9-24 cache lines each)
-  int64_t n = n0;
-  for (; n + kTile <= n1; n += kTile) row_groups<kTile>(xq, w, s, y, K, N, M, n);
-  for (; n < n1; ++n) row_groups<1>(xq, w, s, y, K, N, M, n);
 }
 
 at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& scale_in,
                            const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1),
-              "int8_linear: x [M, K] and qweight [N, K] expected");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = scale_in.numel();
+  TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 4 && w_in.size(0) == (N + kTile - 1) / kTile &&
+                  w_in.size(1) == (K + kChunk - 1) / kChunk && w_in.size(2) == kTile && w_in.size(3) == kChunk,
+              "int8_linear: x [M, K] and qweight packed by ops/int8.py's pack, [ceil(N / 4), ceil(K / 64), 4, 64]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kChar &&
-                  scale_in.scalar_type() == at::kFloat && scale_in.numel() == w_in.size(0),
-              "int8_linear: fp32 x, int8 qweight and one fp32 scale per qweight row expected");
+                  scale_in.scalar_type() == at::kFloat,
+              "int8_linear: fp32 x, int8 qweight and one fp32 scale per output expected");
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous(), scale = scale_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* sp = scale.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRowsPerTask = 64;
-  at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
-    output_rows(xq, wp, sp, yp, K, N, M, begin * kRowsPerTask, std::min(N, end * kRowsPerTask));
-  });
+  constexpr int64_t kTilesPerTask = 16;
+  at::parallel_for(0, w.size(0), kTilesPerTask,
+                   [&](int64_t begin, int64_t end) { tiles(xq, wp, sp, yp, N, M, begin, end); });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
