@@ -16,7 +16,15 @@ import torch
 from torch import nn
 
 from kvforge.ops import layers as ops_layers
-from kvforge.ops.int8 import COMPILED_ROWS, compiled_for, dequantize, int8_linear, pack, quantize_per_channel, unpack
+from kvforge.ops.int8 import (
+    COMPILED_ROWS,
+    compiled_for,
+    dequantize,
+    operator_linear,
+    pack,
+    quantize_per_channel,
+    unpack,
+)
 
 INT8 = "_kvforge_int8"  # attribute of a weight tensor: its (int8 weight packed for the operator, per-row scale)
 DEQUANTIZED = "_kvforge_int8_dense"  # and its dequantized fp32 copy, for prefill chunks
@@ -31,7 +39,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if q is None:
         return ops_layers.linear(x, weight, bias)
     if x.numel() // x.shape[-1] <= COMPILED_ROWS and compiled_for(x):
-        return int8_linear(x, q[0], q[1], bias)
+        return operator_linear(x, q[0], q[1], bias)
     dense = getattr(weight, DEQUANTIZED, None)
     if dense is None:
         dense = dequantize(unpack(q[0], *weight.shape), q[1])

@@ -9,6 +9,8 @@ chunks) dequantize once per call and run the BLAS on fp32 activations, where the
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -98,18 +100,29 @@ LIB.define("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> 
 LIB.impl("int8_linear", int8_linear_reference, "CompositeExplicitAutograd")
 
 
+@functools.cache
+def _cpu_kernel() -> bool:
+    """The compiled kernels are built and int8_linear's registered (the CPU has AVX-512 VNNI)."""
+    return load_compiled() and torch._C._dispatch_has_kernel_for_dispatch_key("kvforge::int8_linear", "CPU")
+
+
 def compiled_for(x: torch.Tensor) -> bool:
     """Whether the compiled int8_linear serves input x (fp32 on the CPU, kernels built, the CPU has AVX-512 VNNI)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and not disabled() and load_compiled()
-            and torch._C._dispatch_has_kernel_for_dispatch_key("kvforge::int8_linear", "CPU"))
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not disabled() and _cpu_kernel()
+
+
+def operator_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] through the operator (decode's hot path: one dispatch, few Python steps)."""
+    k = x.shape[-1]
+    out = torch.ops.kvforge.int8_linear.default(x.reshape(-1, k), packed, scale, bias)
+    return out.view(*x.shape[:-1], out.shape[1])
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] fp32 -> [..., N] on weights packed by `pack`: the compiled operator for few rows of fp32 CPU input,
     else dequantize + BLAS."""
-    rows, k = x.numel() // x.shape[-1], x.shape[-1]
-    if rows <= COMPILED_ROWS and compiled_for(x):
-        out = torch.ops.kvforge.int8_linear(x.reshape(rows, k), packed, scale, bias)
-        return out.view(*x.shape[:-1], scale.numel())
-    return dequantized_linear(x, unpack(packed, scale.numel(), k), scale, bias)
+    if x.numel() // x.shape[-1] <= COMPILED_ROWS and compiled_for(x):
+        return operator_linear(x, packed, scale, bias)
+    return dequantized_linear(x, unpack(packed, scale.numel(), x.shape[-1]), scale, bias)
