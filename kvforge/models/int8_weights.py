@@ -16,9 +16,17 @@ import torch
 from torch import nn
 
 from kvforge.ops import layers as ops_layers
-from kvforge.ops.int8 import COMPILED_ROWS, compiled_for, dequantize, int8_linear, quantize_per_channel
+from kvforge.ops.int8 import (
+    COMPILED_ROWS,
+    compiled_for,
+    dequantize,
+    operator_linear,
+    pack,
+    quantize_per_channel,
+    unpack,
+)
 
-INT8 = "_kvforge_int8"  # attribute of a weight tensor: its (int8 weight, per-row scale)
+INT8 = "_kvforge_int8"  # attribute of a weight tensor: its (int8 weight packed for the operator, per-row scale)
 DEQUANTIZED = "_kvforge_int8_dense"  # and its dequantized fp32 copy, for prefill chunks
 FUSED = ("qkv_weight", "gate_up_weight")  # fused projections the models call through `linear` (llama.py, layers.py)
 
@@ -31,10 +39,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if q is None:
         return ops_layers.linear(x, weight, bias)
     if x.numel() // x.shape[-1] <= COMPILED_ROWS and compiled_for(x):
-        return int8_linear(x, q[0], q[1], bias)
+        return operator_linear(x, q[0], q[1], bias)
     dense = getattr(weight, DEQUANTIZED, None)
     if dense is None:
-        dense = dequantize(q[0], q[1])
+        dense = dequantize(unpack(q[0], *weight.shape), q[1])
         setattr(weight, DEQUANTIZED, dense)
     return ops_layers.linear(x, dense, bias)
 
@@ -53,7 +61,8 @@ def is_quantized(model: nn.Module) -> bool:
 def _marked(weight: torch.Tensor, parameter: bool = False) -> torch.Tensor:
     """A new tensor object over the same storage, carrying the int8 form (the original stays unmarked)."""
     out = nn.Parameter(weight.detach(), requires_grad=False) if parameter else weight.detach()
-    setattr(out, INT8, quantize_per_channel(weight))
+    q, scale = quantize_per_channel(weight)
+    setattr(out, INT8, (pack(q), scale))
     return out
 
 
