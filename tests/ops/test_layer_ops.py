@@ -48,7 +48,7 @@ def test_silu_mul_matches_the_reference_over_a_wide_range():
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33])
 def test_small_linear_matches_f_linear(rows):
     gen = torch.Generator().manual_seed(rows)
-    for n, k in [(37, 576), (960, 40), (8, 1536), (9, 7)]:  # N not a tile multiple, K not a multiple of 16 or < 16
+    for n, k in [(37, 576), (960, 40), (8, 1536), (9, 7), (5, 100)]:  # N not a tile multiple; K not a multiple of 64 or 16, or < 16
         x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
         torch.testing.assert_close(torch.ops.kvforge.small_linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(torch.ops.kvforge.small_linear(x, w, None), F.linear(x, w), rtol=1e-4, atol=1e-4)
