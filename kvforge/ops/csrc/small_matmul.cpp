@@ -45,7 +45,9 @@ inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
 
 // One row of x against rows [n0, n1) of W: each W row is read front to back with four independent sums, so the
 // memory sees one sequential stream (tiles of 8 rows, i.e. 8 interleaved streams, ran at ~60% of a plain read's
-// bandwidth on 2 MB pages).
+// bandwidth on 2 MB pages), and asked for 4 KB ahead into L3 (+5-10% over the hardware prefetcher alone).
+constexpr int64_t kAhead = 1024;  // floats
+
 inline void one_row(const float* x, const float* w, float* y, int64_t K, int64_t n0, int64_t n1) {
   const int64_t k64 = K / 64 * 64, k16 = K / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (K - k16)) - 1u);
@@ -54,6 +56,8 @@ inline void one_row(const float* x, const float* w, float* y, int64_t K, int64_t
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t k = 0;
     for (; k < k64; k += 64) {
+      for (int line = 0; line < 64; line += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(wr + k + kAhead + line), _MM_HINT_T2);
       a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k), _mm512_loadu_ps(x + k), a0);
       a1 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 16), _mm512_loadu_ps(x + k + 16), a1);
       a2 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 32), _mm512_loadu_ps(x + k + 32), a2);
