@@ -14,7 +14,8 @@ from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import linear
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
-from kvforge.ops.layers import rope
+from kvforge.ops.huge_pages import move_to_huge_pages
+from kvforge.ops.layers import add_rms_norm_, rope
 
 
 class Attention(nn.Module):
@@ -67,9 +68,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, kv):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, meta, kv):
+        """x: the previous layer's output, not yet added to the residual stream (at the first layer, residual is
+        None and x the embeddings). Returns this layer's output and the stream before it; the stream is added to in
+        place, each add fused with the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = add_rms_norm(residual, x, self.input_layernorm)
+        h = add_rms_norm(residual, self.self_attn(h, cos, sin, meta, kv), self.post_attention_layernorm)
+        return self.mlp(h), residual
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    return add_rms_norm_(residual, x, norm.weight, norm.eps)
 
 
 class LlamaModel(nn.Module):
@@ -97,16 +109,17 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+        move_to_huge_pages(self)  # a decode step streams every weight: ~1.6x the bandwidth of 4 KB pages
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
                 layers: Sequence[int] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened tokens of one step; `layers` runs only those layers
         (ascending indices), then the final norm (a layer-skip drafter)."""
         cos, sin = self.rotary.cos_sin(meta.positions)
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers if layers is None else (self.model.layers[i] for i in layers):
-            x = layer(x, cos, sin, meta, kv)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta, kv)
+        return self.model.norm(x) if residual is None else add_rms_norm(residual, x, self.model.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head.weight)

@@ -23,7 +23,7 @@ from kvforge.ops import op_args
 from kvforge.ops.build import load_compiled
 
 LAYERS, BLOCK, KV_HEADS, HEADS, DIM = 30, 16, 3, 9, 64
-FORMATS = ["fp32", "fp16", "bf16", "int8", "fp8_e4m3", "int4", "kivi2"]
+FORMATS = ["fp32", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "kivi2"]
 
 
 def layer_caches(name: str, context: int, batch: int, table: torch.Tensor) -> list[tuple]:

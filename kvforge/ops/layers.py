@@ -21,6 +21,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return layers_reference.rms_norm(x, weight, eps)
 
 
+def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x in place, then rms_norm of it: a decoder's residual add and the following norm."""
+    if _compiled(residual) and residual.is_contiguous():
+        return torch.ops.kvforge.add_rms_norm_(residual, x, weight, eps)
+    return layers_reference.add_rms_norm_(residual, x, weight, eps)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, dim] rotated (in place when compiled: x is a projection's fresh output); cos/sin [T, dim]."""
     if _compiled(x):

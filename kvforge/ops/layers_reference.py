@@ -13,6 +13,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(var + eps))
 
 
+def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place); returns RMSNorm of the sum."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """x [T, heads, dim] rotated in place; cos/sin [T, dim]."""
     cos, sin = cos[:, None, :], sin[:, None, :]

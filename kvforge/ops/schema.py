@@ -15,6 +15,8 @@ LIB.define("paged_attend(Tensor q, Tensor query_start, Tensor block_table, Tenso
 LIB.impl("paged_attend", reference.paged_attend, "CompositeExplicitAutograd")
 LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 LIB.impl("rms_norm", layers_reference.rms_norm, "CompositeExplicitAutograd")
+LIB.define("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor")
+LIB.impl("add_rms_norm_", layers_reference.add_rms_norm_, "CompositeExplicitAutograd")
 LIB.define("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()")
 LIB.impl("rope_", layers_reference.rope_, "CompositeExplicitAutograd")
 LIB.define("silu_mul(Tensor gate_up) -> Tensor")

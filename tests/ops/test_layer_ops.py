@@ -24,6 +24,20 @@ def test_rms_norm_matches_the_reference():
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_add_rms_norm_adds_in_place_and_matches_the_reference():
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(1, 576), (7, 64), (3, 5, 33)]:
+        residual, x = torch.randn(*shape, generator=gen) * 3, torch.randn(*shape, generator=gen)
+        w = torch.randn(shape[-1], generator=gen)
+        want_residual = residual + x
+        want = layers_reference.rms_norm(want_residual, w, 1e-5)
+        got = torch.ops.kvforge.add_rms_norm_(residual, x, w, 1e-5)
+        torch.testing.assert_close(residual, want_residual, rtol=0, atol=0)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        ref_residual = want_residual - x
+        torch.testing.assert_close(layers_reference.add_rms_norm_(ref_residual, x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+
+
 def test_rope_rotates_strided_head_views_in_place():
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(5, 9 + 3 + 3, 64, generator=gen)
@@ -48,7 +62,7 @@ def test_silu_mul_matches_the_reference_over_a_wide_range():
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33])
 def test_small_linear_matches_f_linear(rows):
     gen = torch.Generator().manual_seed(rows)
-    for n, k in [(37, 576), (960, 40), (8, 1536), (9, 7)]:  # N not a tile multiple, K not a multiple of 16 or < 16
+    for n, k in [(37, 576), (960, 40), (8, 1536), (9, 7), (5, 100)]:  # N not a tile multiple; K not a multiple of 64 or 16, or < 16
         x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
         torch.testing.assert_close(torch.ops.kvforge.small_linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(torch.ops.kvforge.small_linear(x, w, None), F.linear(x, w), rtol=1e-4, atol=1e-4)

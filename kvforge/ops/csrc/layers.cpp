@@ -1,6 +1,7 @@
 // Per-layer elementwise work of a decoder in one pass each, so a decode step dispatches one operator
 // where the torch code dispatched five to ten: RMSNorm, RoPE (rotate-half, in place on q and k heads
-// of a fused projection's output) and SwiGLU's silu(gate) * up. fp32, rows in parallel.
+// of a fused projection's output), SwiGLU's silu(gate) * up, and a residual add fused with the norm after it.
+// fp32, rows in parallel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,6 +36,37 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double
       float* o = dst + r * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) o[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+  return out;
+}
+
+// residual += x in place, then RMSNorm of the sum: a decoder's residual add and the next norm in one pass.
+at::Tensor add_rms_norm_cpu(at::Tensor residual, const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  check_rows(residual, "add_rms_norm_");
+  TORCH_CHECK(residual.is_contiguous() && x_in.sizes() == residual.sizes(),
+              "add_rms_norm_: residual must be contiguous and x of its shape");
+  const at::Tensor x = x_in.contiguous(), w = weight.contiguous();
+  const int64_t d = residual.size(-1), rows = residual.numel() / d;
+  TORCH_CHECK(w.numel() == d, "add_rms_norm_: weight has ", w.numel(), " elements, rows have ", d);
+  at::Tensor out = at::empty_like(residual);
+  float* res = residual.data_ptr<float>();
+  const float *src = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* rr = res + r * d;
+      const float* xr = src + r * d;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < d; ++i) {
+        rr[i] += xr[i];
+        ss += rr[i] * rr[i];
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
+      float* o = dst + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) o[i] = wp[i] * (rr[i] * inv);
     }
   });
   return out;
@@ -96,6 +128,7 @@ at::Tensor silu_mul_cpu(const at::Tensor& gu_in) {
 
 TORCH_LIBRARY_IMPL(kvforge, CPU, m) {
   m.impl("rms_norm", &kvforge::rms_norm_cpu);
+  m.impl("add_rms_norm_", &kvforge::add_rms_norm_cpu);
   m.impl("rope_", &kvforge::rope_cpu);
   m.impl("silu_mul", &kvforge::silu_mul_cpu);
 }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "tiles.h"
 #include "vmath.h"
@@ -77,14 +78,47 @@ struct Problem {
   float scale;
 };
 
+#ifdef __AVX512F__
+// weigh_rows for `rows` accumulator rows of 64 values, 6 at a time.
+template <class L>
+void weigh_all(const float* s, int64_t bs, const typename L::T* v, int64_t ldv, int64_t t0, int64_t t1,
+               const float* alpha, float* acc, int64_t rows) {
+  for (int64_t g = 0; g < rows; g += 6) {
+    const int64_t k = std::min<int64_t>(6, rows - g);
+    float* a = acc + g * 64;
+    const float* w = s + g * bs;
+    if (k == 6) weigh_rows<6, L>(w, bs, v, ldv, t0, t1, alpha + g, a);
+    else if (k == 5) weigh_rows<5, L>(w, bs, v, ldv, t0, t1, alpha + g, a);
+    else if (k == 4) weigh_rows<4, L>(w, bs, v, ldv, t0, t1, alpha + g, a);
+    else if (k == 3) weigh_rows<3, L>(w, bs, v, ldv, t0, t1, alpha + g, a);
+    else if (k == 2) weigh_rows<2, L>(w, bs, v, ldv, t0, t1, alpha + g, a);
+    else weigh_rows<1, L>(w, bs, v, ldv, t0, t1, alpha + g, a);
+  }
+}
+#endif
+
+bool overlaid(const Problem& p, int64_t blk) {
+  const auto holds = [blk](const Overlay& o) { return o.active() && o.entry_of[blk] >= 0; };
+  return holds(p.staged.k) || holds(p.sinks.k);
+}
+
 // DK, DV: head dims known at compile time (0: take them from the problem), so dot products unroll.
 // Each block's tile is loaded once per task and used by every query of the run and every query head of
 // the KV head (rows i * G + g); each row keeps its own online softmax over its own causal range.
-template <int DK, int DV>
+// L (a vmath.h row reader, DK == DV == 64): for tasks of a few query rows (decode), blocks without exact rows laid
+// over them are read in place, converted in the dot products and weighted sums; row scales (SCALED) multiply the
+// scores and the weights.
+// Above this many query rows per task, converting every row once into a tile costs less than converting it in
+// each row's dot product.
+constexpr int64_t IN_PLACE_ROWS = 6;
+
+template <int DK, int DV, class L = void>
 void run_tasks(const Problem& p, int64_t begin, int64_t end) {
+  constexpr bool kInPlace = !std::is_void_v<L>;
   const int64_t D = DK ? DK : p.D, Dv = DV ? DV : p.Dv, G = p.G, bs = p.bs, R = MAX_RUN * G;
   std::vector<float> kbuf((bs + 1) * D), vbuf((bs + 1) * Dv), qs(R * D), s(R * bs), m(R), l(R), acc(R * Dv);
-  std::vector<float> alpha(R);
+  std::vector<float> alpha(R), kscale(bs), vscale(bs);
+  const float factor = p.K.reader() == READ_E4M3 ? E4M3_FACTOR : 1.f;
   int64_t lo[MAX_RUN], hi[MAX_RUN], r0s[MAX_RUN], r1s[MAX_RUN];
   for (int64_t task = begin; task < end; ++task) {
     const Run& run = p.runs[task / p.kvh];
@@ -107,12 +141,24 @@ void run_tasks(const Problem& p, int64_t begin, int64_t end) {
         p.V.prefetch(p.table[b * p.W + j + 1], h);
       }
       int64_t ldk, ldv;
-      const float* kt = load(p.K, p.staged.k, p.sinks.k, blk, h, t0, t1, kbuf.data(), &ldk);
+      const bool in_place = kInPlace && rows <= IN_PLACE_ROWS && !overlaid(p, blk);
+      const float* kt = in_place ? nullptr : load(p.K, p.staged.k, p.sinks.k, blk, h, t0, t1, kbuf.data(), &ldk);
       for (int64_t i = 0; i < n; ++i) {
         r0s[i] = std::max<int64_t>(lo[i] - j * bs, 0);
         r1s[i] = std::min<int64_t>(hi[i] - j * bs, bs);
         for (int64_t g = i * G; r0s[i] < r1s[i] && g < (i + 1) * G; ++g) {
           int64_t r = r0s[i];
+#ifdef __AVX512F__
+          if constexpr (kInPlace) {
+            if (in_place) {
+              const auto* kr = reinterpret_cast<const typename L::T*>(p.K.rows(blk, h));
+              const int64_t ld = p.K.row_stride();
+              for (; r + 8 <= r1s[i]; r += 8) dot8<DK, L>(qs.data() + g * D, kr + r * ld, ld, s.data() + g * bs + r);
+              for (; r < r1s[i]; ++r) s[g * bs + r] = dot1<DK, L>(qs.data() + g * D, kr + r * ld);
+              continue;
+            }
+          }
+#endif
 #ifdef __AVX2__
           if constexpr (DK > 0 && DK % 8 == 0)
             for (; r + 8 <= r1s[i]; r += 8) dot8<DK>(qs.data() + g * D, kt + r * ldk, ldk, s.data() + g * bs + r);
@@ -120,7 +166,14 @@ void run_tasks(const Problem& p, int64_t begin, int64_t end) {
           for (; r < r1s[i]; ++r) s[g * bs + r] = dot(qs.data() + g * D, kt + r * ldk, D);
         }
       }
-      const float* vt = load(p.V, p.staged.v, p.sinks.v, blk, h, t0, t1, vbuf.data(), &ldv);
+      const bool scaled = in_place && p.K.kind == SCALED;
+      if (scaled) {  // scores of in-place SCALED rows still lack their row's scale
+        p.K.row_scales(blk, h, t0, t1, factor, kscale.data());
+        p.V.row_scales(blk, h, t0, t1, factor, vscale.data());
+        for (int64_t g = 0; g < rows; ++g)
+          for (int64_t r = t0; r < t1; ++r) s[g * bs + r] *= kscale[r];
+      }
+      const float* vt = in_place ? nullptr : load(p.V, p.staged.v, p.sinks.v, blk, h, t0, t1, vbuf.data(), &ldv);
       for (int64_t g = 0; g < rows; ++g) {  // online softmax; weights outside a row's range become 0
         const int64_t r0 = r0s[g / G], r1 = r1s[g / G];
         float* sg = s.data() + g * bs;
@@ -143,18 +196,18 @@ void run_tasks(const Problem& p, int64_t begin, int64_t end) {
         m[g] = top;
       }
 #ifdef __AVX512F__
-      if constexpr (DV == 64) {  // up to 6 rows' accumulators in registers, each V row loaded once for them
-        for (int64_t g = 0; g < rows; g += 6) {
-          const int64_t k = std::min<int64_t>(6, rows - g);
-          float* a = acc.data() + g * DV;
-          const float* w = s.data() + g * bs;
-          if (k == 6) weigh_rows<6>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
-          else if (k == 5) weigh_rows<5>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
-          else if (k == 4) weigh_rows<4>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
-          else if (k == 3) weigh_rows<3>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
-          else if (k == 2) weigh_rows<2>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
-          else weigh_rows<1>(w, bs, vt, ldv, t0, t1, alpha.data() + g, a);
+      if constexpr (kInPlace) {
+        if (in_place) {
+          if (scaled)
+            for (int64_t g = 0; g < rows; ++g)
+              for (int64_t r = t0; r < t1; ++r) s[g * bs + r] *= vscale[r];
+          const auto* vr = reinterpret_cast<const typename L::T*>(p.V.rows(blk, h));
+          weigh_all<L>(s.data(), bs, vr, p.V.row_stride(), t0, t1, alpha.data(), acc.data(), rows);
+          continue;
         }
+      }
+      if constexpr (DV == 64) {  // up to 6 rows' accumulators in registers, each V row loaded once for them
+        weigh_all<F32Rows>(s.data(), bs, vt, ldv, t0, t1, alpha.data(), acc.data(), rows);
         continue;
       }
 #endif
@@ -218,7 +271,18 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& starts_in, const at:
   const Problem p{K, V, staged, sinks, q.data_ptr<float>(), table.data_ptr<int64_t>(), runs,
                   out.data_ptr<float>(), H, table.size(1), H / kvh, kvh, bs, D, Dv, window,
                   static_cast<float>(scale)};
+  const Reader reader = K.reader() == V.reader() && D == 64 && Dv == 64 ? K.reader() : DECODE_TILES;
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * kvh, 1, [&](int64_t begin, int64_t end) {
+#ifdef __AVX512F__
+    switch (reader) {
+      case READ_F16: return run_tasks<64, 64, F16Rows>(p, begin, end);
+      case READ_BF16: return run_tasks<64, 64, BF16Rows>(p, begin, end);
+      case READ_INT8: return run_tasks<64, 64, Int8Rows>(p, begin, end);
+      case READ_E4M3: return run_tasks<64, 64, E4M3Rows>(p, begin, end);
+      case READ_E5M2: return run_tasks<64, 64, E5M2Rows>(p, begin, end);
+      default: break;
+    }
+#endif
     if (D == 64 && Dv == 64) run_tasks<64, 64>(p, begin, end);
     else if (D == 128 && Dv == 128) run_tasks<128, 128>(p, begin, end);
     else run_tasks<0, 0>(p, begin, end);

@@ -43,9 +43,35 @@ inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
     for (int m = 0; m < MR; ++m) y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
+// One row of x against rows [n0, n1) of W: each W row is read front to back with four independent sums, so the
+// memory sees one sequential stream (tiles of 8 rows, i.e. 8 interleaved streams, ran at ~60% of a plain read's
+// bandwidth on 2 MB pages), and asked for 4 KB ahead into L3 (+5-10% over the hardware prefetcher alone).
+constexpr int64_t kAhead = 1024;  // floats
+
+inline void one_row(const float* x, const float* w, float* y, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t k64 = K / 64 * 64, k16 = K / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - k16)) - 1u);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k < k64; k += 64) {
+      for (int line = 0; line < 64; line += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(wr + k + kAhead + line), _MM_HINT_T2);
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k), _mm512_loadu_ps(x + k), a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+    }
+    for (; k < k16; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(wr + k), _mm512_loadu_ps(x + k), a0);
+    if (k16 < K) a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, wr + k16), _mm512_maskz_loadu_ps(tail, x + k16), a1);
+    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+}
+
 template <int MR>
 void rows_of_w(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  constexpr int NR = MR == 1 ? 8 : (MR <= 4 ? 4 : 2);
+  constexpr int NR = MR <= 4 ? 4 : 2;
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) tile<NR, MR>(x, w, y, K, N, m0, n);
   for (; n < n1; ++n) tile<1, MR>(x, w, y, K, N, m0, n);
@@ -54,7 +80,7 @@ void rows_of_w(const float* x, const float* w, float* y, int64_t K, int64_t N, i
 void rows_chunk(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t mr, int64_t n0,
                 int64_t n1) {
   switch (mr) {
-    case 1: return rows_of_w<1>(x, w, y, K, N, m0, n0, n1);
+    case 1: return one_row(x + m0 * K, w, y + m0 * N, K, n0, n1);
     case 2: return rows_of_w<2>(x, w, y, K, N, m0, n0, n1);
     case 3: return rows_of_w<3>(x, w, y, K, N, m0, n0, n1);
     case 4: return rows_of_w<4>(x, w, y, K, N, m0, n0, n1);

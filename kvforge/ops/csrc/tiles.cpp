@@ -109,6 +109,16 @@ void Side::prefetch(int64_t b, int64_t h) const {
   }
 }
 
+Reader Side::reader() const {
+  if (kind == PLAIN) return dtype == at::kHalf ? READ_F16 : dtype == at::kBFloat16 ? READ_BF16 : DECODE_TILES;
+  if (kind != SCALED) return DECODE_TILES;
+  return dtype == at::kChar ? READ_INT8 : dtype == at::kFloat8_e4m3fn ? READ_E4M3 : READ_E5M2;
+}
+
+void Side::row_scales(int64_t b, int64_t h, int64_t r0, int64_t r1, float factor, float* out) const {
+  for (int64_t r = r0; r < r1; ++r) out[r] = static_cast<float>(row_scale[(b * bs + r) * heads + h]) * factor;
+}
+
 void Side::scaled_rows(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t row = (b * bs + r) * heads + h;

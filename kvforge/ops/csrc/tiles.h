@@ -14,6 +14,9 @@ namespace kvforge {
 
 enum Kind : int64_t { PLAIN = 0, SCALED = 1, UNIFORM_TOKEN = 2, UNIFORM_CHANNEL = 3 };
 
+// Formats whose rows a kernel reads in place, converting in registers (vmath.h's *Rows readers).
+enum Reader : int { DECODE_TILES = 0, READ_F16, READ_BF16, READ_INT8, READ_E4M3, READ_E5M2 };
+
 // Parts, in order, per kind (absent parts are empty tensors):
 //   PLAIN:            rows [N, bs, kvh, d] fp32 | fp16 | bf16
 //   SCALED:           codes [N, bs, kvh, d] int8 | float8, scale [N, bs, kvh] fp16
@@ -44,6 +47,13 @@ struct Side {
   const float* tile(int64_t b, int64_t h, int64_t r0, int64_t r1, float* scratch, int64_t* ld) const;
   // Asks the cache for what tile(b, h, ...) will read (blocks sit at random places in the pool).
   void prefetch(int64_t b, int64_t h) const;
+  // How a kernel may read this format's rows without a tile (DECODE_TILES: it may not).
+  Reader reader() const;
+  // Row 0 of head h of block b in storage; row r is row_stride() elements further.
+  const uint8_t* rows(int64_t b, int64_t h) const { return data + (b * bs * heads + h) * dim * at::elementSize(dtype); }
+  int64_t row_stride() const { return heads * dim; }
+  // SCALED: out[r] = scale of row r of head h of block b, times factor, for r in [r0, r1).
+  void row_scales(int64_t b, int64_t h, int64_t r0, int64_t r1, float factor, float* out) const;
 
  private:
   int64_t row_bytes() const {

@@ -118,17 +118,87 @@ inline int64_t unpack_simd(const uint8_t* src, int64_t nbytes, float* out, const
 #endif
 
 #ifdef __AVX2__
+// Rows of a KV format read where the pool stores them: 8 (or 16) consecutive elements as fp32, before any row
+// scale, so dot products and weighted sums convert in registers instead of through a decoded tile.
+struct F32Rows {
+  using T = float;
+  static __m256 load8(const T* p) { return _mm256_loadu_ps(p); }
+#ifdef __AVX512F__
+  static __m512 load16(const T* p) { return _mm512_loadu_ps(p); }
+#endif
+};
+#endif
+
+#ifdef __AVX512F__
+struct F16Rows {
+  using T = uint16_t;
+  static __m256 load8(const T* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static __m512 load16(const T* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+
+struct BF16Rows {  // bf16 is the top half of an fp32
+  using T = uint16_t;
+  static __m256 load8(const T* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static __m512 load16(const T* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+};
+
+struct Int8Rows {
+  using T = int8_t;
+  static __m256 load8(const T* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static __m512 load16(const T* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+struct E5M2Rows {  // float8_e5m2 is the top byte of an fp16
+  using T = uint8_t;
+  static __m256 load8(const T* p) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8));
+  }
+  static __m512 load16(const T* p) {
+    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_slli_epi16(h, 8));
+  }
+};
+
+// float8_e4m3fn as an fp16 with the same sign, exponent and mantissa bits (subnormals included): its value / 256,
+// so a row scale read with these rows carries the factor E4M3_FACTOR.
+constexpr float E4M3_FACTOR = 256.f;
+struct E4M3Rows {  // sign-extended byte << 7 puts the sign in bits 14 and 15: clearing bit 14 leaves the fp16
+  using T = uint8_t;
+  static __m256 load8(const T* p) {
+    const __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16(static_cast<int16_t>(0xBF80))));
+  }
+  static __m512 load16(const T* p) {
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16(static_cast<int16_t>(0xBF80))));
+  }
+};
+#endif
+
+#ifdef __AVX2__
 // out[i] = dot(q, k + i * ld) for 8 rows, D a multiple of 8: each row's products stay in vector lanes and
 // the 8 horizontal sums are done together (one transposing reduction instead of 8).
-template <int D>
-inline void dot8(const float* q, const float* k, int64_t ld, float* out) {
+template <int D, class L = F32Rows>
+inline void dot8(const float* q, const typename L::T* k, int64_t ld, float* out) {
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) {
-    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k + i * ld));
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), L::load8(k + i * ld));
     __m256 b = _mm256_setzero_ps();
     for (int c = 8; c + 8 <= D; c += 16) {
-      b = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + i * ld + c), b);
-      if (c + 16 <= D) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + i * ld + c + 8), a);
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), L::load8(k + i * ld + c), b);
+      if (c + 16 <= D) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), L::load8(k + i * ld + c + 8), a);
     }
     acc[i] = _mm256_add_ps(a, b);
   }
@@ -137,21 +207,30 @@ inline void dot8(const float* q, const float* k, int64_t ld, float* out) {
   const __m256 lo = _mm256_hadd_ps(a01, a23), hi = _mm256_hadd_ps(a45, a67);
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
 }
+
+// dot(q, k) of one row, D a multiple of 8.
+template <int D, class L = F32Rows>
+inline float dot1(const float* q, const typename L::T* k) {
+  __m256 a = _mm256_setzero_ps();
+  for (int c = 0; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), L::load8(k + c), a);
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 s = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
 #endif
 
 #ifdef __AVX512F__
 // acc[g] = acc[g] * alpha[g] + sum over rows r in [t0, t1) of w[g * ws + r] * v[r] for K rows g of 64 values:
 // the K accumulators stay in registers and each value row (stride ldv) is loaded once for all of them.
-template <int K>
-inline void weigh_rows(const float* w, int64_t ws, const float* v, int64_t ldv, int64_t t0, int64_t t1,
+template <int K, class L = F32Rows>
+inline void weigh_rows(const float* w, int64_t ws, const typename L::T* v, int64_t ldv, int64_t t0, int64_t t1,
                        const float* alpha, float* acc) {
   __m512 a[K][4];
   for (int g = 0; g < K; ++g)
     for (int c = 0; c < 4; ++c) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * 64 + c * 16), _mm512_set1_ps(alpha[g]));
   for (int64_t r = t0; r < t1; ++r) {
-    const float* vr = v + r * ldv;
-    const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
-                 v3 = _mm512_loadu_ps(vr + 48);
+    const typename L::T* vr = v + r * ldv;
+    const __m512 v0 = L::load16(vr), v1 = L::load16(vr + 16), v2 = L::load16(vr + 32), v3 = L::load16(vr + 48);
     for (int g = 0; g < K; ++g) {
       const __m512 wg = _mm512_set1_ps(w[g * ws + r]);
       a[g][0] = _mm512_fmadd_ps(wg, v0, a[g][0]);
