@@ -109,6 +109,10 @@ def test_top_with_recent_is_sorted_unique_and_has_recent(length, budget, num_rec
                                           ("h2o", {"budget": 0}), ("h2o", {"budget": 4, "score": "max"}),
                                           ("h2o", {"budget": 4, "decay": 0}), ("h2o", {"budget": 4, "scope": "block"}),
                                           ("snapkv", {"budget": 4, "scope": "head"}),
+                                          ("h2o", {"budget": 4, "weight": "values"}),
+                                          ("h2o", {"budget": 4, "weight": "value", "scope": "layer"}),
+                                          ("scissorhands", {"budget": 4, "weight": "value", "scope": "sequence"}),
+                                          ("scissorhands", {"budget": 4, "weight": 1}),
                                           ("window", {"budget": 1.5}),
                                           ("snapkv", {"budget": 8, "kernel": 4}), ("window", {"budget": 8, "bogus": 1})])
 def test_bad_options_are_config_errors(name, options):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.errors import ConfigError
-from kvforge.kv.policies.base import KVPolicy, PolicyState, top_with_recent
+from kvforge.kv.policies.base import KVPolicy, PolicyState, check_weight, top_with_recent
 
 
 @dataclass
@@ -24,6 +24,10 @@ class H2OPolicy(KVPolicy):
         or "sequence" (layers and heads summed: one kept set per sequence). Keys keep logical positions.
     decay: each step first multiplies the scores by decay ** (its queries), so attention long ago counts
         less (1.0, the default, is the paper's plain sum; near 0 keeps what the latest queries attend to).
+    weight: "attention" (the paper) or "value": the score times the L1 norm of the row's value in that KV head
+        (VATP, Guo et al., "Attention Score is not All You Need for Token Importance Indicator in KV Cache
+        Reduction: Value Also Matters", EMNLP 2024, arXiv:2406.12335): a row the queries attend to but whose
+        value is near zero (an attention sink) adds little to the output. Needs scope "head".
     """
 
     name = "h2o"
@@ -35,6 +39,7 @@ class H2OPolicy(KVPolicy):
     score: str = "sum"
     scope: str = "head"
     decay: float = 1.0
+    weight: str = "attention"
 
     def __post_init__(self):
         super().__post_init__()
@@ -42,6 +47,11 @@ class H2OPolicy(KVPolicy):
             raise ConfigError(f"h2o: score must be 'sum' or 'mean', got {self.score!r}")
         if not isinstance(self.decay, (int, float)) or not 0 < self.decay <= 1:
             raise ConfigError(f"h2o: decay must be a number in (0, 1], got {self.decay!r}")
+        check_weight(self, self.weight)
+
+    @property
+    def weighs_values(self) -> bool:
+        return self.weight == "value"
 
     def num_recent(self, budget: int) -> int:
         return int(self.recent * budget) if isinstance(self.recent, float) else min(self.recent, budget)
@@ -61,4 +71,6 @@ class H2OPolicy(KVPolicy):
         scores = state.scores[..., :length]
         if self.score == "mean":
             scores = scores / state.seen[..., :length].clamp_min(1)
+        if self.weighs_values:
+            scores = scores * state.values[..., :length]
         return top_with_recent(scores, budget, self.num_recent(budget), self.sinks)
