@@ -63,6 +63,8 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         out.append(model.compute_logits(model.model.norm(x)))
         computed += n
+        if policy.weighs_values:
+            state.set_values(0, torch.stack([v.abs().sum(-1).T for v in vals]))
         if rows and policy.per_layer:
             attn = torch.stack(per_layer)[:, :, -rows:]
             policy.observe(state, attn if policy.scope == "head" else attn.sum(1, keepdim=True))
@@ -95,7 +97,9 @@ CASES = [("streaming", {"budget": 24, "sinks": 4, "slack": 8}, True),
          ("h2o", {"budget": 24, "slack": 8, "recent": 8}, False),  # scope "head": per layer and KV head
          ("h2o", {"budget": 24, "slack": 8, "recent": 8, "scope": "layer", "score": "mean"}, False),
          ("h2o", {"budget": 24, "slack": 8, "recent": 8, "scope": "sequence"}, False),
+         ("h2o", {"budget": 24, "slack": 8, "recent": 8, "weight": "value"}, False),
          ("scissorhands", {"budget": 24, "slack": 8, "history": 20}, False),
+         ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "weight": "value"}, False),
          ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "scope": "sequence"}, False)]
 
 

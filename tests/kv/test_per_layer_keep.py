@@ -52,6 +52,40 @@ def test_layer_scope_sums_heads_and_settled_queries_count_for_mean():
     assert policy.keep(SequenceView(LENGTH, LENGTH, 0, whole)).shape == (LAYERS, 1, 16)
 
 
+def test_value_weight_multiplies_scores_by_value_norms():
+    """One layer, one head, 4 rows; hand-computed: H2O sums [1.0, 0.6, 0.4, 0] times |v| [0.1, 1, 2, 1]
+    = [0.1, 0.6, 0.8, 0]: with one heavy slot and one recent, row 2 (not row 0, the sink) is kept."""
+    attn = torch.tensor([[0.6, 0.4, 0.0, 0.0], [0.4, 0.2, 0.4, 0.0]])[None, None]
+    norms = torch.tensor([0.1, 1.0, 2.0, 1.0])[None, None]
+    picks = {}
+    for weight in ("attention", "value"):
+        policy, state = build_policy("h2o", {"budget": 2, "recent": 1, "slack": 0, "weight": weight}), PolicyState()
+        state.set_values(0, norms)
+        policy.observe(state, attn)
+        picks[weight] = policy.keep(SequenceView(4, 4, 0, state))[0, 0].tolist()
+    assert picks == {"attention": [0, 3], "value": [2, 3]}
+    state.compact(torch.tensor([[[2, 3]]]))
+    assert state.values.tolist() == [[[2.0, 1.0]]]
+
+
+def test_value_weight_scissorhands_counts_rows_above_the_uniform_share_of_output_mass():
+    """One query over 3 keys: attention x |v| = [0.05, 0.4, 0.6], uniform share 1.05 / 3 = 0.35: keys 1 and 2
+    count; by attention alone (share 1/3) only key 0 does."""
+    attn = torch.tensor([[0.5, 0.2, 0.3]])[None, None]
+    for weight, counted in (("attention", [1, 0, 0]), ("value", [0, 1, 1])):
+        policy, state = build_policy("scissorhands", {"budget": 2, "slack": 0, "weight": weight}), PolicyState()
+        state.set_values(0, torch.tensor([0.1, 2.0, 2.0])[None, None])
+        policy.observe(state, attn)
+        assert state.history[0, 0, 0].tolist() == [bool(c) for c in counted]
+
+
+def test_set_values_replaces_rows_from_start_and_drops_later_ones():
+    state = PolicyState()
+    state.set_values(0, torch.ones(1, 2, 5))
+    state.set_values(3, torch.full((1, 2, 1), 7.0))  # rows 3, 4 rolled back; row 3 rewritten
+    assert state.values[0, 0].tolist() == [1.0, 1.0, 1.0, 7.0] and state.values_known(10) == 4
+
+
 def _filled(name: str, options: dict):
     layer = get_format(name, **options).allocate(SPEC, BLOCKS, BS, torch.device("cpu"), max_num_seqs=1)
     table = torch.arange(BLOCKS - 1, -1, -1)

@@ -60,6 +60,18 @@ def test_h2o_decay_weighs_older_attention_less():
     assert p.keep(_seq(3, state=state)).tolist() == [1, 2]  # token 0 led once, token 1 leads lately
 
 
+def test_h2o_pool_keeps_the_neighbours_of_a_heavy_hitter():
+    """Scores [0, 0, .6, 0, 0, .1, .3 | 0]: alone the heavy three are 2, 5, 6; max-pooled over 3 indices they are
+    [0, .6, .6, .6, .1, .3, .3], so 1, 2, 3 (the hitter and its neighbours) are kept."""
+    attn = torch.tensor([[0.0, 0.0, 0.6, 0.0, 0.0, 0.1, 0.3, 0.0]])
+    picks = {}
+    for pool in (1, 3):
+        p, state = build_policy("h2o", {"budget": 4, "recent": 1, "slack": 0, "pool": pool, "scope": "sequence"}), PolicyState()
+        p.observe(state, attn)
+        picks[pool] = p.keep(_seq(8, state=state)).tolist()
+    assert picks == {1: [2, 5, 6, 7], 3: [1, 2, 3, 7]}
+
+
 def test_scissorhands_counts_persistent_importance():
     p = build_policy("scissorhands", {"budget": 3, "recent": 1, "slack": 0, "history": 2})
     state = PolicyState()
@@ -109,6 +121,11 @@ def test_top_with_recent_is_sorted_unique_and_has_recent(length, budget, num_rec
                                           ("h2o", {"budget": 0}), ("h2o", {"budget": 4, "score": "max"}),
                                           ("h2o", {"budget": 4, "decay": 0}), ("h2o", {"budget": 4, "scope": "block"}),
                                           ("snapkv", {"budget": 4, "scope": "head"}),
+                                          ("h2o", {"budget": 4, "weight": "values"}),
+                                          ("h2o", {"budget": 4, "weight": "value", "scope": "layer"}),
+                                          ("scissorhands", {"budget": 4, "weight": "value", "scope": "sequence"}),
+                                          ("scissorhands", {"budget": 4, "weight": 1}),
+                                          ("h2o", {"budget": 4, "pool": 2}), ("h2o", {"budget": 4, "pool": 0}),
                                           ("window", {"budget": 1.5}),
                                           ("snapkv", {"budget": 8, "kernel": 4}), ("window", {"budget": 8, "bogus": 1})])
 def test_bad_options_are_config_errors(name, options):

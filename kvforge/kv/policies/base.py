@@ -24,6 +24,7 @@ class PolicyState:
     scores: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     seen: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # queries that could attend to each (h2o mean)
     history: torch.Tensor | None = None  # [rows, cache_len] per-query importance (scissorhands)
+    values: torch.Tensor | None = None  # [layers, heads, cache_len] value-row L1 norms (value-weighted scores)
     pending: bool = False  # snapkv: votes are in, the prompt is compressed at the next keep()
     selected: bool = False  # snapkv: the prompt was compressed
 
@@ -41,6 +42,18 @@ class PolicyState:
         self.seen = _take_last(self.seen, keep) if self.seen.shape[-1] else self.seen
         if self.history is not None:
             self.history = _take_last(self.history, keep)
+        if self.values is not None:
+            self.values = _take_last(self.values, keep)
+
+    def values_known(self, length: int) -> int:
+        """Leading cache indices (of `length`) whose value norms are recorded."""
+        return 0 if self.values is None else min(self.values.shape[-1], length)
+
+    def set_values(self, start: int, norms: torch.Tensor) -> None:
+        """Value norms [layers, heads, n] of cache indices start..start+n-1 (rows just written or rewritten);
+        norms recorded past them are dropped (rows rolled back)."""
+        kept = self.values[..., :start] if self.values is not None else norms[..., :0]
+        self.values = torch.cat([kept, norms], dim=-1)
 
 
 def _pad_last(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -102,6 +115,11 @@ class KVPolicy:
         return "sequence"
 
     @property
+    def weighs_values(self) -> bool:
+        """The policy's scores need value-row norms (the Evictor records them in PolicyState.values)."""
+        return False
+
+    @property
     def per_layer(self) -> bool:
         return self.scope != "sequence"
 
@@ -152,6 +170,18 @@ class FullPolicy(KVPolicy):
     def __post_init__(self):
         self.budget = None
         super().__post_init__()
+
+
+WEIGHTS = ("attention", "value")
+
+
+def check_weight(policy: KVPolicy, weight: str) -> None:
+    """weight "value" (attention x value-row norm) needs each KV head's own scores: scope "head"."""
+    if weight not in WEIGHTS:
+        raise ConfigError(f"{policy.name}: weight must be one of {', '.join(WEIGHTS)}, got {weight!r}")
+    if weight == "value" and policy.scope != "head":
+        raise ConfigError(f"{policy.name}: weight 'value' needs scope 'head' (each KV head weighs by its own value "
+                          f"rows), got scope {policy.scope!r}")
 
 
 def recent(length: int, n: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ import time
 from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView
 from kvforge.kv.policies.compact import compact
 from kvforge.kv.policies.stats import AttentionStats
+from kvforge.kv.policies.values import value_norms
 
 
 class Evictor:
@@ -59,12 +60,16 @@ class Evictor:
             if stats is not None and stats.per_layer:
                 found = stats.layer_attention(i, cut, per_head=self.policy.scope == "head")
                 if found is not None:
+                    if self.policy.weighs_values:
+                        self._record_values(seq, view.state, found[0].shape[-1], found[1])
                     self.policy.observe(view.state, *found)
             elif stats is not None and i in stats.sums:
                 attn = stats.sums[i]
                 attn = attn[: attn.shape[0] - cut, : attn.shape[1] - cut] if attn.shape[0] > cut else None
                 if attn is not None:
                     self.policy.observe(view.state, attn / attn.sum(-1, keepdim=True))
+            if self.policy.weighs_values:
+                self._record_values(seq, view.state, view.cache_len, 0)
             keep = self.policy.keep(view)
             if keep is None:
                 continue
@@ -74,6 +79,12 @@ class Evictor:
             view.state.compact(keep)
             self.compactions += 1
             self.compact_seconds += time.perf_counter() - start
+
+    def _record_values(self, seq, state: PolicyState, length: int, fresh: int) -> None:
+        """Value norms of the rows not yet recorded and of the `fresh` last rows (this step's, maybe rewritten)."""
+        start = min(state.values_known(length), length - fresh)
+        if start < length:
+            state.set_values(start, value_norms(self.kv, seq, start, length))
 
     def stats(self) -> dict:
         return {"kv_policy": self.policy.name, "kv_policy_budget": self.policy.budget,

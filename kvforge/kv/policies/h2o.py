@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvforge.errors import ConfigError
-from kvforge.kv.policies.base import KVPolicy, PolicyState, top_with_recent
+from kvforge.kv.policies.base import KVPolicy, PolicyState, check_weight, top_with_recent
 
 
 @dataclass
@@ -24,6 +25,12 @@ class H2OPolicy(KVPolicy):
         or "sequence" (layers and heads summed: one kept set per sequence). Keys keep logical positions.
     decay: each step first multiplies the scores by decay ** (its queries), so attention long ago counts
         less (1.0, the default, is the paper's plain sum; near 0 keeps what the latest queries attend to).
+    weight: "attention" (the paper) or "value": the score times the L1 norm of the row's value in that KV head
+        (VATP, Guo et al., "Attention Score is not All You Need for Token Importance Indicator in KV Cache
+        Reduction: Value Also Matters", EMNLP 2024, arXiv:2406.12335): a row the queries attend to but whose
+        value is near zero (an attention sink) adds little to the output. Needs scope "head".
+    pool: an odd window; each row's score becomes the largest within pool // 2 cache indices of it (SnapKV's
+        pooling, applied at every compaction), so the neighbours of a heavy hitter stay with it (1: off).
     """
 
     name = "h2o"
@@ -35,6 +42,8 @@ class H2OPolicy(KVPolicy):
     score: str = "sum"
     scope: str = "head"
     decay: float = 1.0
+    weight: str = "attention"
+    pool: int = 1
 
     def __post_init__(self):
         super().__post_init__()
@@ -42,6 +51,13 @@ class H2OPolicy(KVPolicy):
             raise ConfigError(f"h2o: score must be 'sum' or 'mean', got {self.score!r}")
         if not isinstance(self.decay, (int, float)) or not 0 < self.decay <= 1:
             raise ConfigError(f"h2o: decay must be a number in (0, 1], got {self.decay!r}")
+        check_weight(self, self.weight)
+        if not isinstance(self.pool, int) or isinstance(self.pool, bool) or self.pool < 1 or self.pool % 2 == 0:
+            raise ConfigError(f"h2o: pool must be an odd integer >= 1, got {self.pool!r}")
+
+    @property
+    def weighs_values(self) -> bool:
+        return self.weight == "value"
 
     def num_recent(self, budget: int) -> int:
         return int(self.recent * budget) if isinstance(self.recent, float) else min(self.recent, budget)
@@ -61,4 +77,9 @@ class H2OPolicy(KVPolicy):
         scores = state.scores[..., :length]
         if self.score == "mean":
             scores = scores / state.seen[..., :length].clamp_min(1)
+        if self.weighs_values:
+            scores = scores * state.values[..., :length]
+        if self.pool > 1:
+            flat = scores.reshape(-1, 1, length)
+            scores = F.max_pool1d(flat, self.pool, stride=1, padding=self.pool // 2).view(scores.shape)
         return top_with_recent(scores, budget, self.num_recent(budget), self.sinks)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView, top_with_recent
+from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView, check_weight, top_with_recent
 
 
 @dataclass
@@ -19,6 +19,9 @@ class ScissorhandsPolicy(KVPolicy):
     recent: a token count or a fraction of the budget (default 0.25). sinks: the first tokens, always kept
     (default 0). scope: "head" (each layer and KV head counts and keeps its own tokens), "layer", or
     "sequence" (attention summed over layers and heads: one kept set per sequence).
+    weight: "attention" (the paper) or "value": a token is important to a query when its attention times the
+        L1 norm of its value row exceeds the uniform share of that query's sum of such products (after VATP,
+        arXiv:2406.12335: a sink with a near-zero value adds little to the output). Needs scope "head".
     """
 
     name = "scissorhands"
@@ -28,6 +31,15 @@ class ScissorhandsPolicy(KVPolicy):
     recent: int | float = 0.25
     sinks: int = 0
     scope: str = "head"
+    weight: str = "attention"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_weight(self, self.weight)
+
+    @property
+    def weighs_values(self) -> bool:
+        return self.weight == "value"
 
     def attention_rows(self, seq: SequenceView, num_new: int) -> int:
         return min(num_new, self.history)  # older rows would fall out of the history at once
@@ -38,7 +50,12 @@ class ScissorhandsPolicy(KVPolicy):
             state.history = torch.zeros(0, *attn.shape[:-2], length, dtype=torch.bool)
         state.grow(length, attn.shape[:-2])
         visible = torch.arange(length - rows + 1, length + 1, dtype=attn.dtype)
-        important = (attn > 1.0 / visible[:, None]).movedim(-2, 0)  # [rows, ..., length]
+        if self.weighs_values:
+            attn = attn * state.values[..., None, :length]
+            important = attn > attn.sum(-1, keepdim=True) / visible[:, None]
+        else:
+            important = attn > 1.0 / visible[:, None]
+        important = important.movedim(-2, 0)  # [rows, ..., length]
         state.history = torch.cat([state.history[..., : length], important])[-self.history:]
 
     def select(self, length: int, budget: int, state: PolicyState) -> torch.Tensor:
