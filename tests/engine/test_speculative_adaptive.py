@@ -150,3 +150,21 @@ def test_spec_bench_rounds_repeat_every_group_and_report_adaptivity(tiny_loaded)
         spec_bench(tiny_loaded, ["eagle"], show=False, workloads=workloads)
     with pytest.raises(ConfigError, match="rounds"):
         spec_bench(tiny_loaded, ["ngram"], batches=(2,), show=False, workloads=workloads, rounds=0)
+
+
+def test_model_drafter_probes_of_a_batch_fall_in_the_same_step():
+    p = SpeculationPlanner(0.05, smoothing=0.5, probe_interval=4, max_probe_interval=16, draft_fraction=0.6)
+    keys = ["a", "b", "c"]
+    for k in keys:
+        p.state(k).rate = 0.01
+    probe_steps = {k: [] for k in keys}
+    for t in range(1, 25):
+        live = keys[: min(3, 1 + t // 3)]  # sequences join at different steps, so their idle counts differ
+        plan = p.plan([Candidate(k, 3) for k in live], len(live))
+        for k in live:
+            if plan[k]:
+                probe_steps[k].append(t)
+                p.record(k, 1, 0)
+    assert all(probe_steps.values())
+    assert all(t % 4 == 0 for ts in probe_steps.values() for t in ts)
+    assert probe_steps["a"][0] == probe_steps["b"][0] == 8  # joined apart (steps 1 and 3), probed together

@@ -11,7 +11,8 @@ fall, a small batch gets long drafts and a large one only its most promising seq
 
 A sequence that the plan gives no drafts stops learning its rate; after `probe_interval` such steps it drafts
 one token anyway (a probe), and each failed probe doubles its wait up to `max_probe_interval`, so text that
-becomes repetitive later regains speculation. Every decision is a function of past acceptance only (no
+becomes repetitive later regains speculation. With a model drafter, probes wait for every probe_interval-th step,
+so the probes of a batch share one drafter forward. Every decision is a function of past acceptance only (no
 clock), so outputs and counters are reproducible.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ class SpeculationPlanner:
         self.draft_fraction = draft_fraction
         self.states: dict[str, SequenceAcceptance] = {}
         self.probing: set[str] = set()  # keys whose drafts this step are a probe
+        self.num_plans = 0
         self.num_skipped_low_acceptance = 0  # sequence-steps with no drafts: its rate would not pay even alone
         self.num_skipped_batch_cost = 0  # sequence-steps with no drafts: its rate pays alone, not in this batch
         self.num_probes = 0
@@ -59,6 +61,7 @@ class SpeculationPlanner:
     def plan(self, candidates: list[Candidate], num_decoding: int) -> dict[str, int]:
         """Drafts per candidate key. num_decoding: the step's one-token rows (every decoding sequence)."""
         self.probing.clear()
+        self.num_plans += 1
         c, f = self.row_cost, self.draft_fraction
         row = c * (1 + f)
         tokens, cost = float(num_decoding), 1 + c * num_decoding
@@ -90,7 +93,7 @@ class SpeculationPlanner:
             return
         s.idle_steps += 1
         c, f = self.row_cost, self.draft_fraction
-        if s.idle_steps > s.backoff:
+        if s.idle_steps > s.backoff and self._probe_step():
             plan[cand.key] = 1
             s.idle_steps = 0
             self.probing.add(cand.key)
@@ -100,6 +103,10 @@ class SpeculationPlanner:
             self.num_skipped_low_acceptance += 1
         else:
             self.num_skipped_batch_cost += 1
+
+    def _probe_step(self) -> bool:
+        """Model drafters probe only every probe_interval-th plan, so the probes of a batch share one drafter forward."""
+        return self.draft_fraction == 0 or self.num_plans % self.probe_interval == 0
 
     def record(self, key: str, drafted: int, accepted: int) -> None:
         """Verification kept `accepted` of `drafted` tokens: positions 1..accepted count as accepted, the next one
