@@ -20,6 +20,7 @@ from kvforge.ops.int8 import (
     COMPILED_ROWS,
     compiled_for,
     dequantize,
+    in_huge_pages,
     operator_linear,
     pack,
     quantize_per_channel,
@@ -68,15 +69,16 @@ def _marked(weight: torch.Tensor, parameter: bool = False) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> int:
-    """Give every linear layer of `model` (a private module tree) int8 weights; returns how many weights."""
-    fused_storages, count = set(), 0
+    """Give every linear layer of `model` (a private module tree) int8 weights; returns how many weights. The packed
+    int8 weights share one buffer in transparent huge pages (ops/int8.py's in_huge_pages)."""
+    fused_storages, marked = set(), []
     for module in model.modules():
         for name in FUSED:
             w = getattr(module, name, None)
             if isinstance(w, torch.Tensor):
-                setattr(module, name, _marked(w))
+                marked.append(_marked(w))
+                setattr(module, name, marked[-1])
                 fused_storages.add(w.untyped_storage().data_ptr())
-                count += 1
     for module in list(model.modules()):
         if not isinstance(module, nn.Linear) or isinstance(module, Int8Linear):
             continue
@@ -85,8 +87,11 @@ def quantize_model(model: nn.Module) -> int:
             continue
         module.__class__ = Int8Linear
         module.weight = _marked(w, parameter=True)
-        count += 1
-    return count
+        marked.append(module.weight)
+    packed = in_huge_pages([getattr(w, INT8)[0] for w in marked])
+    for w, p in zip(marked, packed):
+        setattr(w, INT8, (p, getattr(w, INT8)[1]))
+    return len(marked)
 
 
 def module_copy(model: nn.Module) -> nn.Module:

@@ -1,7 +1,8 @@
 """The int8 weight kernel alone against fp32 on SmolLM2's decoder shapes, weights of 30 layers so they stream from
 memory as in a decode step: `python -m kvforge.ops.bench_int8 [--rows 1 2 4 8 16] [--baseline-source FILE]`.
 Per row count, this thread's CPU time (median) for one call per weight of `kvforge::int8_linear`, the compiled fp32
-`small_linear` and F.linear (the BLAS), and the int8 kernel's read speed. `--baseline-source` compiles another
+`small_linear` and F.linear (the BLAS), and the int8 kernel's read speed (packed weights in huge pages, as the engine
+holds them). `--baseline-source` compiles another
 version of csrc/int8_matmul.cpp (e.g. `git show REV:kvforge/ops/csrc/int8_matmul.cpp > old.cpp`) with its op
 renamed to `kvforge_baseline::int8_linear` and times it in the same rounds (on unpacked [N, K] weights, as
 csrc/int8_matmul.cpp took them before the packed layout)."""
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.ops.build import FLAGS, load_compiled
-from kvforge.ops.int8 import pack, quantize_per_channel
+from kvforge.ops.int8 import in_huge_pages, pack, quantize_per_channel
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 LAYERS = 30
@@ -57,7 +58,7 @@ def bench(rows: list[int], repeats: int = 9, baseline: Path | None = None) -> di
                for _ in range(1 if name == "lm_head" else LAYERS)]
     quantized = [quantize_per_channel(w) for _, w in weights]
     int8_bytes = sum(q.numel() for q, _ in quantized)
-    packed = {id(q): pack(q) for q, _ in quantized}
+    packed = dict(zip((id(q) for q, _ in quantized), in_huge_pages([pack(q) for q, _ in quantized])))  # as the engine
     paths = {"int8_linear": lambda x, w, q, s: torch.ops.kvforge.int8_linear(x, packed[id(q)], s, None),
              "small_linear": lambda x, w, q, s: torch.ops.kvforge.small_linear(x, w, None),
              "blas": lambda x, w, q, s: F.linear(x, w)}

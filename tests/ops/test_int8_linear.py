@@ -9,6 +9,7 @@ from kvforge.ops.int8 import (
     compiled_for,
     dequantize,
     dequantized_linear,
+    in_huge_pages,
     int8_linear,
     int8_linear_reference,
     pack,
@@ -42,6 +43,19 @@ def test_packing_interleaves_tiles_of_four_rows_per_chunk_and_round_trips():
     assert torch.equal(packed[1, 0, 2], q[6, :64]) and torch.equal(packed[0, 1, 3, :6], q[3, 64:])
     assert not packed[0, 1, :, 6:].any() and not packed[2, :, 2:].any()  # zeros past K and past N
     assert torch.equal(unpack(packed, 10, 70), q)
+
+
+def test_huge_page_copies_are_equal_aligned_and_outlive_their_list():
+    import gc
+
+    tensors = [torch.randint(-127, 128, (300, 70), dtype=torch.int8), torch.randn(5, 7), pack(torch.ones(9, 3).char())]
+    copies = in_huge_pages(tensors)
+    first = copies[0]
+    del copies
+    gc.collect()
+    assert torch.equal(first, tensors[0]) and first.data_ptr() % 64 == 0
+    copies = in_huge_pages(tensors)
+    assert all(torch.equal(a, b) and b.data_ptr() % 64 == 0 for a, b in zip(tensors, copies))
 
 
 def test_activation_blocks_round_to_int8():
