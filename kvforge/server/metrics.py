@@ -31,6 +31,16 @@ ENGINE_GAUGES = [
     ("spec_num_drafts", "kvforge_spec_decode_num_drafts_total", "counter", "sequence-steps that verified drafted tokens"),
     ("spec_num_draft_tokens", "kvforge_spec_decode_num_draft_tokens_total", "counter", "tokens drafted"),
     ("spec_num_accepted_tokens", "kvforge_spec_decode_num_accepted_tokens_total", "counter", "drafted tokens accepted"),
+    ("spec_num_skipped_low_acceptance", "kvforge_spec_decode_skipped_low_acceptance_total", "counter",
+     "sequence-steps without drafts: the sequence's acceptance would not pay for its rows even alone"),
+    ("spec_num_skipped_batch_cost", "kvforge_spec_decode_skipped_batch_cost_total", "counter",
+     "sequence-steps without drafts: the sequence's acceptance pays alone, not in that step's batch"),
+    ("spec_num_skipped_batch_size", "kvforge_spec_decode_skipped_batch_size_total", "counter",
+     "sequence-steps without drafts because disable_by_batch_size sequences were running"),
+    ("spec_num_probes", "kvforge_spec_decode_probes_total", "counter",
+     "one-token drafts made to re-measure the acceptance of a sequence left without drafts"),
+    ("spec_num_trimmed_draft_tokens", "kvforge_spec_decode_trimmed_draft_tokens_total", "counter",
+     "drafts the drafter could have made that the adaptive plan left out"),
 ]
 
 
