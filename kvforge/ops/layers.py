@@ -48,19 +48,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 SMALL_ROWS = 4  # without oneDNN, up to this many rows the compiled small_linear beats the BLAS
 SMALL_ROWS_WIDE = 32  # and up to this many for wide outputs (the vocabulary projection)
 WIDE = 8192
+STREAM_ROWS = 8  # up to this many rows small_linear streams the weights once, faster than oneDNN here,
+STREAM_FLOATS = 8192  # while those rows of x (rows * K floats) stay in the L1 cache
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for fp32 CPU inference: one row (a decode step of one sequence) through the compiled
-    small_linear, more rows through oneDNN with the weight packed once, else the BLAS (`python -m
-    kvforge.ops.bench_matmul` measures the three)."""
+    """F.linear for fp32 CPU inference: a few rows (a decode step of a few sequences, a speculative
+    verification) through the compiled small_linear, which reads each weight once, more rows through oneDNN
+    with the weight packed once, else the BLAS (`python -m kvforge.ops.bench_matmul` measures the three)."""
     if not _compiled(x) or x.dim() != 2 or (weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if rows > 1:
+    if rows > 1 and (rows > STREAM_ROWS or rows * x.shape[1] > STREAM_FLOATS):
         weight_packed = packed(weight)
         if weight_packed is not None:
             return packed_linear(x, weight_packed, bias)
-    if rows <= (SMALL_ROWS_WIDE if weight.shape[0] >= WIDE else SMALL_ROWS):
+    if rows <= max(STREAM_ROWS, SMALL_ROWS_WIDE if weight.shape[0] >= WIDE else SMALL_ROWS):
         return torch.ops.kvforge.small_linear(x, weight, bias)
     return F.linear(x, weight, bias)

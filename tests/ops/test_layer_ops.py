@@ -62,7 +62,7 @@ def test_silu_mul_matches_the_reference_over_a_wide_range():
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33])
 def test_small_linear_matches_f_linear(rows):
     gen = torch.Generator().manual_seed(rows)
-    for n, k in [(37, 576), (960, 40), (8, 1536), (9, 7), (5, 100)]:  # N not a tile multiple; K not a multiple of 64 or 16, or < 16
+    for n, k in [(37, 576), (960, 40), (8, 1536), (9, 7), (5, 100), (11, 50)]:  # K not a multiple of 64, 32 or 16, or < 16
         x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
         torch.testing.assert_close(torch.ops.kvforge.small_linear(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(torch.ops.kvforge.small_linear(x, w, None), F.linear(x, w), rtol=1e-4, atol=1e-4)
@@ -92,12 +92,16 @@ def test_a_weight_is_packed_once_on_its_first_multi_row_use_and_kept_with_it():
     if not packing_available():
         pytest.skip("oneDNN is not available in this torch build (or KVFORGE_PACKED_LINEAR=0)")
     w = torch.randn(64, 32)
-    layers.linear(torch.randn(1, 32), w)
-    assert getattr(w, ATTRIBUTE, None) is None  # one row runs small_linear on the plain weight
-    layers.linear(torch.randn(3, 32), w)
-    first = getattr(w, ATTRIBUTE)
+    for rows in range(1, layers.STREAM_ROWS + 1):
+        layers.linear(torch.randn(rows, 32), w)
+    assert getattr(w, ATTRIBUTE, None) is None  # a few rows run small_linear on the plain weight
     layers.linear(torch.randn(9, 32), w)
+    first = getattr(w, ATTRIBUTE)
+    layers.linear(torch.randn(12, 32), w)
     assert getattr(w, ATTRIBUTE) is first
+    wide_k = torch.randn(64, layers.STREAM_FLOATS // 2 + 1)
+    layers.linear(torch.randn(2, wide_k.shape[1]), wide_k)  # two such rows would not stay in L1: oneDNN
+    assert getattr(wide_k, ATTRIBUTE, None) is not None
     grad_w = torch.randn(64, 32, requires_grad=True)
-    layers.linear(torch.randn(3, 32), grad_w)  # autograd on: the plain path, nothing packed
+    layers.linear(torch.randn(9, 32), grad_w)  # autograd on: the plain path, nothing packed
     assert getattr(grad_w, ATTRIBUTE, None) is None

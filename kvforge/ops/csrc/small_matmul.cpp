@@ -1,6 +1,6 @@
 // kvforge::small_linear: y = x @ W^T (+ bias) for the few rows of a decode step (x [M, K], M small), where a
-// BLAS tuned for large products leaves most of the memory bandwidth unused. Each tile of W's rows is read
-// from memory once and multiplied by every row of x (kept in cache) in AVX-512 registers; parallel over W's
+// BLAS tuned for large products leaves most of the memory bandwidth unused. Each row of W is read from memory
+// once per 8 rows of x (kept in cache) and multiplied by each of them in AVX-512 registers; parallel over W's
 // rows. Without AVX-512 it calls at::linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,35 +14,6 @@ namespace kvforge {
 namespace {
 
 #if defined(__AVX512F__)
-// One 16-float step of rows [n0, n0 + NR) of W against rows [m0, m0 + MR) of x; LOAD reads 16 floats.
-template <int NR, int MR, typename Load>
-inline void step(__m512 (&acc)[NR][MR], const float* x, const float* w, int64_t K, int64_t m0, int64_t n0, int64_t k,
-                 Load load) {
-  __m512 wv[NR];
-  for (int r = 0; r < NR; ++r) wv[r] = load(w + (n0 + r) * K + k);
-  for (int m = 0; m < MR; ++m) {
-    const __m512 xv = load(x + (m0 + m) * K + k);
-    for (int r = 0; r < NR; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
-  }
-}
-
-// Rows [n0, n0 + NR) of W against rows [m0, m0 + MR) of x. The main loop uses plain loads (masked loads in
-// the hot loop cost ~30% of the bandwidth); a masked step covers K's tail.
-template <int NR, int MR>
-inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
-  __m512 acc[NR][MR];
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
-  const int64_t full = K / 16 * 16;
-  for (int64_t k = 0; k < full; k += 16) step(acc, x, w, K, m0, n0, k, [](const float* p) { return _mm512_loadu_ps(p); });
-  if (full < K) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (K - full)) - 1u);
-    step(acc, x, w, K, m0, n0, full, [tail](const float* p) { return _mm512_maskz_loadu_ps(tail, p); });
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
-}
-
 // One row of x against rows [n0, n1) of W: each W row is read front to back with four independent sums, so the
 // memory sees one sequential stream (tiles of 8 rows, i.e. 8 interleaved streams, ran at ~60% of a plain read's
 // bandwidth on 2 MB pages), and asked for 4 KB ahead into L3 (+5-10% over the hardware prefetcher alone).
@@ -69,12 +40,38 @@ inline void one_row(const float* x, const float* w, float* y, int64_t K, int64_t
   }
 }
 
+// MR rows of x (in L1) against rows [n0, n1) of W, each W row read front to back once as in one_row: every
+// 16 weights loaded feed MR FMAs, two sums per x row for independent chains. A few-row step (speculative
+// verification, small batches) then streams the weights like a one-row step instead of NR interleaved streams.
 template <int MR>
 void rows_of_w(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  constexpr int NR = MR <= 4 ? 4 : 2;
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile<NR, MR>(x, w, y, K, N, m0, n);
-  for (; n < n1; ++n) tile<1, MR>(x, w, y, K, N, m0, n);
+  const int64_t k32 = K / 32 * 32, k16 = K / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K - k16)) - 1u);
+  const float* xm = x + m0 * K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    __m512 a[MR], b[MR];
+    for (int m = 0; m < MR; ++m) a[m] = b[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < k32; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + k + kAhead), _MM_HINT_T2);
+      _mm_prefetch(reinterpret_cast<const char*>(wr + k + kAhead + 16), _MM_HINT_T2);
+      const __m512 w0 = _mm512_loadu_ps(wr + k), w1 = _mm512_loadu_ps(wr + k + 16);
+      for (int m = 0; m < MR; ++m) {
+        a[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm + m * K + k), a[m]);
+        b[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + m * K + k + 16), b[m]);
+      }
+    }
+    for (; k < k16; k += 16) {
+      const __m512 w0 = _mm512_loadu_ps(wr + k);
+      for (int m = 0; m < MR; ++m) a[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm + m * K + k), a[m]);
+    }
+    if (k16 < K) {
+      const __m512 w0 = _mm512_maskz_loadu_ps(tail, wr + k16);
+      for (int m = 0; m < MR; ++m) b[m] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(tail, xm + m * K + k16), b[m]);
+    }
+    for (int m = 0; m < MR; ++m) y[(m0 + m) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));
+  }
 }
 
 void rows_chunk(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t mr, int64_t n0,
