@@ -48,8 +48,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 SMALL_ROWS = 4  # without oneDNN, up to this many rows the compiled small_linear beats the BLAS
 SMALL_ROWS_WIDE = 32  # and up to this many for wide outputs (the vocabulary projection)
 WIDE = 8192
-STREAM_ROWS = 8  # up to this many rows small_linear streams the weights once, faster than oneDNN here,
-STREAM_FLOATS = 8192  # while those rows of x (rows * K floats) stay in the L1 cache
+STREAM_ROWS = 6  # up to this many rows small_linear streams the weights once (one decode row plus 5 drafts),
+STREAM_FLOATS = 8192  # while those rows of x (rows * K floats) stay in the L1 cache; oneDNN above
+
+
+def streamed_rows(device: torch.device) -> int:
+    """Rows up to which `linear` streams each weight once on this device (a step costs about one row's), else 0."""
+    return STREAM_ROWS if device.type == "cpu" and not disabled() and load_compiled() else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
