@@ -1,10 +1,11 @@
 """Model weights moved onto 2 MB pages (Linux transparent huge pages, asked for with madvise).
 
 A decode step of one sequence streams every weight from memory once; on 4 KB pages a single thread reads them
-at ~60% of the bandwidth it reaches on 2 MB pages (`python -m kvforge.ops.bench_matmul --rows 1 --pages both`).
+at ~60-70% of the bandwidth it reaches on 2 MB pages (`python -m kvforge.ops.bench_matmul --rows 1`).
 PyTorch's allocator asks for huge pages only when THP_MEM_ALLOC_ENABLE is set before its first allocation,
 so `move_to_huge_pages` copies a module's large fp32 CPU tensors into one anonymous mapping advised
-MADV_HUGEPAGE and points them there (same tensor objects, same values; views and tied weights stay shared).
+MADV_HUGEPAGE and points them there (same tensor objects, same values; views and tied weights stay shared,
+and tensors that had storages of their own still do, e.g. for `models/int8_weights.py`).
 KVFORGE_HUGE_PAGES=0 opts out; where the platform has no MADV_HUGEPAGE it does nothing.
 """
 from __future__ import annotations
@@ -24,19 +25,18 @@ def available() -> bool:
     return os.environ.get("KVFORGE_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
 
 
-def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """A zeroed uint8 tensor of nbytes on 2 MB-aligned memory advised MADV_HUGEPAGE (its mapping lives as long
-    as the tensor's storage does)."""
+def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """An anonymous mapping advised MADV_HUGEPAGE with room for nbytes from a 2 MB-aligned offset (returned)."""
     mapping = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    skip = -whole.data_ptr() % PAGE
-    return whole[skip: skip + nbytes]
+    start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    return mapping, -start % PAGE
 
 
 def move_to_huge_pages(module: nn.Module) -> int:
     """Move the module's fp32 CPU parameters and buffers whose storage holds at least MIN_BYTES onto huge pages;
-    returns the bytes moved (0 when unavailable)."""
+    returns the bytes moved (0 when unavailable). Each storage gets a storage of its own in the one mapping (each
+    holds the mapping alive), so tensors share a storage afterwards exactly when they did before."""
     if not available():
         return 0
     tensors = [t for t in (*module.parameters(), *module.buffers()) if _movable(t)]
@@ -49,14 +49,15 @@ def move_to_huge_pages(module: nn.Module) -> int:
         total += -(-storage.nbytes() // ALIGN) * ALIGN
     if total == 0:
         return 0
-    targets = {id(t): (t, offsets[t.untyped_storage().data_ptr()] + t.storage_offset() * t.element_size())
-               for t in tensors}
-    arena = huge_page_buffer(total)
+    targets = {id(t): (t, t.untyped_storage().data_ptr()) for t in tensors}
+    mapping, base = huge_page_mapping(total)
+    regions = {}
     with torch.no_grad():
         for ptr, storage in storages.items():
-            arena[offsets[ptr]: offsets[ptr] + storage.nbytes()].copy_(_bytes_of(storage))
-        for t, start in targets.values():
-            t.data = arena[start:].view(t.dtype).as_strided(t.shape, t.stride())
+            region = torch.frombuffer(mapping, dtype=torch.uint8, count=storage.nbytes(), offset=base + offsets[ptr])
+            regions[ptr] = region.copy_(_bytes_of(storage))
+        for t, ptr in targets.values():
+            t.data = regions[ptr].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
     return total
 
 

@@ -11,7 +11,7 @@ from kvforge.ops.packed_weights import packed, packed_linear
 
 
 def _compiled(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
+    return (x.is_cpu and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
             and not disabled() and load_compiled())
 
 

@@ -33,6 +33,9 @@ def test_move_keeps_values_views_and_ties(monkeypatch):
     assert block.q.weight.data_ptr() == block.fused.data_ptr()
     assert block.k.weight.data_ptr() == block.fused.data_ptr() + 768 * 512 * 4
     assert block.norm.data_ptr() == norm_ptr
+    fused_storage = block.fused.untyped_storage().data_ptr()
+    assert block.q.weight.untyped_storage().data_ptr() == fused_storage  # views keep their storage
+    assert block.embed.weight.untyped_storage().data_ptr() != fused_storage  # other weights keep their own
     first = min(block.fused.data_ptr(), block.embed.weight.data_ptr())
     assert first % huge_pages.PAGE == 0
     block.fused.add_(1.0)  # still one storage: the views see writes to the fused weight
@@ -44,3 +47,16 @@ def test_opt_out_moves_nothing(monkeypatch):
     block = _Block()
     ptr = block.fused.data_ptr()
     assert huge_pages.move_to_huge_pages(block) == 0 and block.fused.data_ptr() == ptr
+
+
+def test_int8_quantization_still_tells_fused_views_from_other_weights(monkeypatch):
+    """models/int8_weights.py skips a Linear whose storage is a fused weight's: after the move, only q and k."""
+    from kvforge.models.int8_weights import module_copy, quantize_model
+
+    monkeypatch.setenv("KVFORGE_HUGE_PAGES", "1")
+    block = _Block()
+    block.register_buffer("qkv_weight", block.fused, persistent=False)  # the name the quantizer knows
+    del block.fused
+    expected = quantize_model(module_copy(block))
+    huge_pages.move_to_huge_pages(block)
+    assert quantize_model(module_copy(block)) == expected == 2  # the fused weight and the head

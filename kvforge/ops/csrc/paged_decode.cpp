@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 
 #include "tiles.h"
@@ -245,7 +246,7 @@ std::vector<Run> runs_of(const int64_t* starts, const int64_t* lens, int64_t B) 
   return runs;
 }
 
-at::Tensor attend(const at::Tensor& q_in, const at::Tensor& starts_in, const at::Tensor& table_in,
+at::Tensor attend(const at::Tensor& q_in, const std::vector<int64_t>& starts, const at::Tensor& table_in,
                   const at::Tensor& lens_in, double scale, int64_t window, const std::vector<int64_t>& k_meta,
                   const std::vector<at::Tensor>& k_parts, const std::vector<int64_t>& v_meta,
                   const std::vector<at::Tensor>& v_parts, const std::vector<at::Tensor>& stage,
@@ -255,9 +256,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& starts_in, const at:
   const at::Tensor q = q_in.contiguous();
   const at::Tensor table = table_in.to(at::kLong).contiguous();
   const at::Tensor lens = lens_in.to(at::kLong).contiguous();
-  const at::Tensor starts = starts_in.to(at::kLong).contiguous();
   const int64_t B = table.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(lens.numel() == B && starts.numel() == B + 1 && starts[B].item<int64_t>() == q.size(0),
+  TORCH_CHECK(lens.numel() == B && static_cast<int64_t>(starts.size()) == B + 1 && starts[B] == q.size(0),
               "paged attention: need one length per table row and query starts [B + 1] ending at q's row count");
   const int64_t bs = k_parts[0].size(1), kvh = k_parts[0].size(2);
   const int64_t Dv = side_dim(v_meta, v_parts[0]);
@@ -266,8 +266,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& starts_in, const at:
   const Side K(k_meta[0], k_meta[1], k_meta[2], bs, kvh, D, k_parts);
   const Side V(v_meta[0], v_meta[1], v_meta[2], bs, kvh, Dv, v_parts);
   const Exact staged(stage), sinks(sink);
-  const std::vector<Run> runs = runs_of(starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), B);
-  at::Tensor out = at::zeros({q.size(0), H, Dv}, q.options());
+  const std::vector<Run> runs = runs_of(starts.data(), lens.data_ptr<int64_t>(), B);
+  at::Tensor out = at::empty({q.size(0), H, Dv}, q.options());  // every (query, head) row is written by one task
   const Problem p{K, V, staged, sinks, q.data_ptr<float>(), table.data_ptr<int64_t>(), runs,
                   out.data_ptr<float>(), H, table.size(1), H / kvh, kvh, bs, D, Dv, window,
                   static_cast<float>(scale)};
@@ -295,7 +295,9 @@ at::Tensor paged_attend_cpu(const at::Tensor& q, const at::Tensor& query_start, 
                             std::vector<at::Tensor> k_parts, std::vector<int64_t> v_meta,
                             std::vector<at::Tensor> v_parts, std::vector<at::Tensor> stage,
                             std::vector<at::Tensor> sink) {
-  return attend(q, query_start, table, lens, scale, window, k_meta, k_parts, v_meta, v_parts, stage, sink);
+  const at::Tensor starts = query_start.to(at::kLong).contiguous();
+  const std::vector<int64_t> s(starts.data_ptr<int64_t>(), starts.data_ptr<int64_t>() + starts.numel());
+  return attend(q, s, table, lens, scale, window, k_meta, k_parts, v_meta, v_parts, stage, sink);
 }
 
 // One query per sequence: paged_attend with query starts 0, 1, ..., B.
@@ -304,7 +306,8 @@ at::Tensor paged_decode_cpu(const at::Tensor& q, const at::Tensor& table, const 
                             std::vector<int64_t> v_meta, std::vector<at::Tensor> v_parts,
                             std::vector<at::Tensor> stage, std::vector<at::Tensor> sink) {
   TORCH_CHECK(q.dim() == 3 && q.size(0) == table.size(0), "paged_decode: q must be [B, heads, dim], one row per table row");
-  const at::Tensor starts = at::arange(q.size(0) + 1, table.options().dtype(at::kLong));
+  std::vector<int64_t> starts(q.size(0) + 1);
+  std::iota(starts.begin(), starts.end(), int64_t{0});
   return attend(q, starts, table, lens, scale, window, k_meta, k_parts, v_meta, v_parts, stage, sink);
 }
 
