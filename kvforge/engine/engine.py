@@ -28,7 +28,6 @@ from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.setup import attach_tiers
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
-from kvforge.ops.layers import streamed_rows
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -84,8 +83,7 @@ class LLMEngine:
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.spec_config:
             drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
-            self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter,
-                                                        streamed_rows(self.device))
+            self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0

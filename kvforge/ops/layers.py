@@ -52,11 +52,6 @@ STREAM_ROWS = 6  # up to this many rows small_linear streams the weights once (o
 STREAM_FLOATS = 8192  # while those rows of x (rows * K floats) stay in the L1 cache; oneDNN above
 
 
-def streamed_rows(device: torch.device) -> int:
-    """Rows up to which `linear` streams each weight once on this device (a step costs about one row's), else 0."""
-    return STREAM_ROWS if device.type == "cpu" and not disabled() and load_compiled() else 0
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for fp32 CPU inference: a few rows (a decode step of a few sequences, a speculative
     verification) through the compiled small_linear, which reads each weight once, more rows through oneDNN

@@ -168,13 +168,3 @@ def test_model_drafter_probes_of_a_batch_fall_in_the_same_step():
     assert all(probe_steps.values())
     assert all(t % 4 == 0 for ts in probe_steps.values() for t in ts)
     assert probe_steps["a"][0] == probe_steps["b"][0] == 8  # joined apart (steps 1 and 3), probed together
-
-
-def test_a_step_within_the_streamed_rows_drafts_only_what_keeps_it_there():
-    p = SpeculationPlanner(0.0, smoothing=0.5, probe_interval=1, max_probe_interval=1, streamed_rows=6)
-    assert step(p, drafts=8) == 5  # 1 + 5 rows: rows are free to the model, the cap holds
-    plan = p.plan([Candidate(k, 5) for k in "abc"], 3)
-    assert sum(plan.values()) == 3 and all(v >= 1 for v in plan.values())  # the 3 rows left, best rates first
-    full = p.plan([Candidate(k, 5) for k in "abcdef"], 6)
-    assert full == {k: 0 for k in "abcdef"}  # already 6 rows: no drafts, and no probe that would cross the cap
-    assert p.plan([Candidate(k, 5) for k in "abcdefg"], 7) != {k: 0 for k in "abcdefg"}  # past the cap: no cap

@@ -15,8 +15,7 @@ from kvforge.engine.spec.verify import verify_greedy, verify_sampled
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, length_limit: int, evictor=None, drafter: ModelDrafter | None = None,
-                 streamed_rows: int = 0):
+    def __init__(self, config: SpeculativeConfig, length_limit: int, evictor=None, drafter: ModelDrafter | None = None):
         """drafter: the model that drafts (layer_skip, draft); None drafts by prompt lookup (ngram)."""
         self.config, self.length_limit, self.evictor, self.drafter = config, length_limit, evictor, drafter
         k = config.num_speculative_tokens
@@ -29,8 +28,8 @@ class SpeculativeDecoder:
         self.ngrams: dict[str, NgramIndex] = {}  # each running sequence's n-gram index (method ngram)
         self.num_skipped_batch_size = 0  # sequence-steps without drafts because disable_by_batch_size was reached
         self.planner = SpeculationPlanner(config.verify_row_cost, config.acceptance_smoothing, config.probe_interval,
-                                          config.max_probe_interval, drafter.cost_fraction if drafter else 0.0,
-                                          streamed_rows) if config.adaptive else None
+                                          config.max_probe_interval, drafter.cost_fraction if drafter else 0.0
+                                          ) if config.adaptive else None
 
     def propose(self, running: list) -> None:
         """Set each decoding sequence's draft_token_ids for the coming step (empty when it should not draft).

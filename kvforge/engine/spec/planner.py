@@ -38,14 +38,10 @@ class Candidate:
 
 class SpeculationPlanner:
     def __init__(self, row_cost: float, smoothing: float, probe_interval: int, max_probe_interval: int,
-                 draft_fraction: float = 0.0, streamed_rows: int = 0):
+                 draft_fraction: float = 0.0):
         """draft_fraction: a drafted token's drafter work as a fraction of a target row (0 for prompt lookup);
-        each draft depth then also costs draft_fraction of a step's fixed cost (one drafter forward).
-        streamed_rows: up to this many rows the linear layers stream each weight once (ops.layers.linear), so
-        a step that small costs about one row's; a step of that few decoding rows drafts only as many tokens as
-        keep it there, since crossing into the many-row kernels costs a jump the linear model does not hold."""
-        self.row_cost, self.smoothing, self.streamed_rows = row_cost, smoothing, streamed_rows
-        self.room = None  # draft rows the current plan may still add (None: no cap)
+        each draft depth then also costs draft_fraction of a step's fixed cost (one drafter forward)."""
+        self.row_cost, self.smoothing = row_cost, smoothing
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self.draft_fraction = draft_fraction
         self.states: dict[str, SequenceAcceptance] = {}
@@ -74,15 +70,13 @@ class SpeculationPlanner:
         limit = {cand.key: cand.max_drafts for cand in candidates}
         offers = [(-self.state(cand.key).rate, cand.key, 1) for cand in candidates if cand.max_drafts > 0]
         heapq.heapify(offers)
-        self.room = self.streamed_rows - num_decoding if num_decoding <= self.streamed_rows else None
-        while offers and self.room != 0:
+        while offers:
             neg_gain, key, j = heapq.heappop(offers)
             gain, extra = -neg_gain, row + (f if j > depth_open else 0.0)
             if gain * cost <= extra * tokens:  # one more row would lower expected tokens per unit of cost
                 continue
             plan[key] = j
             tokens, cost, depth_open = tokens + gain, cost + extra, max(depth_open, j)
-            self.room = None if self.room is None else self.room - 1
             if j < limit[key]:
                 heapq.heappush(offers, (neg_gain * self.states[key].rate, key, j + 1))
         for cand in candidates:
@@ -99,9 +93,8 @@ class SpeculationPlanner:
             return
         s.idle_steps += 1
         c, f = self.row_cost, self.draft_fraction
-        if s.idle_steps > s.backoff and self._probe_step() and self.room != 0:
+        if s.idle_steps > s.backoff and self._probe_step():
             plan[cand.key] = 1
-            self.room = None if self.room is None else self.room - 1
             s.idle_steps = 0
             self.probing.add(cand.key)
             self.num_probes += 1
