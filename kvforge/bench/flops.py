@@ -3,6 +3,7 @@ measured ceilings for each (fp32 matmul FLOP/s, streaming read bytes/s)."""
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -56,14 +57,24 @@ def engine_flops(engine) -> float:
     model, r, cfg = engine.runner.model, engine.runner, engine.model_config
     head = model.lm_head.weight.numel()
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * r.attended_keys
-    return 2.0 * linear_params(model) * r.forward_tokens + 2.0 * head * r.sampled_tokens + attention
+    return 2.0 * _counted(model)[0] * r.forward_tokens + 2.0 * head * r.sampled_tokens + attention
 
 
 def engine_bytes(engine) -> float:
     """Bytes the engine's forward passes had to move at least: every weight once per forward (the embedding
     table is read by row, not counted) and every cached row attention read, at the pool's bytes per token."""
-    model, r = engine.runner.model, engine.runner
-    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
-    kv = engine.runner.kv
+    r, kv = engine.runner, engine.runner.kv
     per_token = bytes_per_token(kv.spec, kv.format, kv.block_size)
-    return float(weights) * r.forward_passes + per_token * r.context_rows
+    return float(_counted(r.model)[1]) * r.forward_passes + per_token * r.context_rows
+
+
+_COUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _counted(model: nn.Module) -> tuple[int, int]:
+    """(linear_params, bytes of every linear weight with the LM head), counted once per model: the throughput
+    bench asks every step."""
+    if model not in _COUNTS:
+        _COUNTS[model] = (linear_params(model), sum(m.weight.numel() * m.weight.element_size()
+                                                     for m in model.modules() if isinstance(m, nn.Linear)))
+    return _COUNTS[model]
