@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from kvforge.bench.progress import Progress
+from kvforge.bench.timing import Clock
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.errors import ConfigError
@@ -87,11 +88,12 @@ class _Arm:
         started: set[str] = set()
         done = {}
         while engine.has_unfinished_requests():
-            decoding, t, cpu = len(started) == len(ids), time.perf_counter(), time.thread_time()
+            decoding, clock = len(started) == len(ids), Clock()
             outs = engine.step()
             if decoding:  # every request of the group has its first token: a pure decode step
-                self.decode_seconds += time.perf_counter() - t
-                self.decode_cpu_seconds += time.thread_time() - cpu
+                spent = clock.split()
+                self.decode_seconds += spent.wall
+                self.decode_cpu_seconds += spent.cpu
                 self.decode_tokens += sum(len(o.new_token_ids) for o in outs)
             for o in outs:
                 started.add(o.request_id)
@@ -131,15 +133,15 @@ def _compare(loaded, methods: dict, prompts: list[list[int]], batch: int, max_to
                 progress.update()
     progress.close()
     off = arms.pop("off")
-    rows = {}
+    off_row, rows = off.row(), {}
     for name, arm in arms.items():
         row = arm.row()
         row["same_output"] = arm.outputs == off.outputs
-        row["speedup"] = row["decode_tok_s"] / off.row()["decode_tok_s"]  # decode phase: prefill is the same work
-        row["cpu_speedup"] = row["decode_tok_per_cpu_s"] / off.row()["decode_tok_per_cpu_s"]
+        row["speedup"] = row["decode_tok_s"] / off_row["decode_tok_s"]  # decode phase: prefill is the same work
+        row["cpu_speedup"] = row["decode_tok_per_cpu_s"] / off_row["decode_tok_per_cpu_s"]
         row["e2e_speedup"] = off.seconds / arm.seconds
         rows[name] = row
-    return off.row(), rows
+    return off_row, rows
 
 
 def spec_bench(loaded, methods: list[str] | None = None, batches: tuple[int, ...] = (1, 8), prompts_b1: int = 3,
