@@ -11,6 +11,7 @@ from torch import nn
 
 from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
+from kvforge.models.bridged import bridged, forward_bridged
 from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import linear
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
@@ -93,6 +94,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    use_bridge = True  # decode-sized steps through the compiled layer bridge (models/bridged.py) where it serves
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -117,6 +120,10 @@ class LlamaForCausalLM(nn.Module):
         (ascending indices), then the final norm (a layer-skip drafter)."""
         cos, sin = self.rotary.cos_sin(meta.positions)
         x, residual = self.model.embed_tokens(input_ids), None
+        weights = bridged(self, x) if self.use_bridge else None
+        if weights is not None:
+            chosen = range(len(self.model.layers)) if layers is None else layers
+            return forward_bridged(self, weights, x, cos, sin, meta, kv, chosen)
         for layer in self.model.layers if layers is None else (self.model.layers[i] for i in layers):
             x, residual = layer(x, residual, cos, sin, meta, kv)
         return self.model.norm(x) if residual is None else add_rms_norm(residual, x, self.model.norm)

@@ -32,3 +32,34 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, weight, bias)
+
+
+def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 post: list[torch.Tensor], pre: list[torch.Tensor], heads: int, kv_heads: int,
+                 eps: float) -> torch.Tensor:
+    """A decoder's work between two attentions (csrc/layer_bridge.cpp): with `attn` (this layer's attention
+    output) and post = [o_w, o_scale, o_bias, norm_w, gate_up_w, gate_up_scale, down_w, down_scale], the rest of
+    the layer; then pre = [norm_w, qkv_w, qkv_scale, qkv_bias]: the next layer's input norm, fused q/k/v projection
+    and RoPE on its q and k heads, or pre = [norm_w]: the final norm. A linear with a non-empty scale has int8
+    weights packed by ops/int8.py; empty tensors stand for no scale or bias. `residual` is added to in place."""
+    if attn is not None:
+        o_w, o_s, o_b, ln2, gu_w, gu_s, down_w, down_s = post
+        h = add_rms_norm_(residual, _linear(attn, o_w, o_s, o_b), ln2, eps)
+        h = add_rms_norm_(residual, _linear(silu_mul(_linear(h, gu_w, gu_s)), down_w, down_s), pre[0], eps)
+    else:
+        h = rms_norm(residual, pre[0], eps)
+    if len(pre) == 1:
+        return h
+    qkv = _linear(h, pre[1], pre[2], pre[3])
+    rope_(qkv.view(qkv.shape[0], -1, cos.shape[-1])[:, : heads + kv_heads], cos, sin)
+    return qkv
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    bias = bias if bias is not None and bias.numel() else None
+    if scale.numel():
+        from kvforge.ops.int8 import int8_linear_reference
+
+        return int8_linear_reference(x, weight, scale, bias)
+    return F.linear(x, weight, bias)

@@ -6,7 +6,9 @@ import torch
 
 from kvforge.bench.dispatch import count_ops, decode_step_ops
 from kvforge.bench.kv_formats import decode_engine
+from kvforge.models.llama import LlamaForCausalLM
 from kvforge.ops.build import load_compiled
+from kvforge.ops.layer_bridge import serves
 
 
 def test_counts_each_operator_call():
@@ -15,9 +17,10 @@ def test_counts_each_operator_call():
     assert ops == {"aten.add": 2, "aten.mul": 1}
 
 
-def test_a_decode_step_runs_each_layer_as_a_few_fused_operators(tiny_loaded):
+def test_a_decode_step_runs_each_layer_as_a_few_fused_operators(tiny_loaded, monkeypatch):
     if not load_compiled():
         pytest.skip("no compiled kvforge ops on this machine")
+    monkeypatch.setattr(LlamaForCausalLM, "use_bridge", False)
     layers = tiny_loaded.config.num_layers
     ops = decode_step_ops(decode_engine(tiny_loaded, "fp32", 20, 3, 8, 16))
     assert ops["kvforge.rms_norm"] == 1  # the first layer's input norm; each residual add is fused with its norm
@@ -30,3 +33,18 @@ def test_a_decode_step_runs_each_layer_as_a_few_fused_operators(tiny_loaded):
     assert ops["aten.cat"] == 1  # RoPE's cos/sin, once per step for every layer
     assert "aten.pow" not in ops and "aten.neg" not in ops  # no torch RMSNorm or rotate_half left
     assert ops["aten.index"] == 2  # per step, not per layer: the sampled rows of hidden states and of logits
+
+
+def test_through_the_bridge_a_layer_is_its_kv_write_attention_and_one_bridge_call(tiny_loaded, monkeypatch):
+    if not serves(torch.zeros(1, 8)):
+        pytest.skip("no compiled layer bridge on this machine")
+    layers = tiny_loaded.config.num_layers
+    ops = decode_step_ops(decode_engine(tiny_loaded, "fp32", 20, 3, 8, 16))
+    monkeypatch.setattr(LlamaForCausalLM, "use_bridge", False)
+    per_op = decode_step_ops(decode_engine(tiny_loaded, "fp32", 20, 3, 8, 16))
+    assert ops["kvforge.layer_bridge"] == layers + 1  # before the first attention, then after each
+    assert ops["kvforge.paged_decode"] == layers and ops["aten.index_put_"] == 2 * layers  # K and V writes
+    assert ops["kvforge.small_linear"] == 1  # the LM head
+    for fused in ("kvforge.rms_norm", "kvforge.add_rms_norm_", "kvforge.rope_", "kvforge.silu_mul"):
+        assert fused not in ops
+    assert sum(per_op.values()) - sum(ops.values()) >= 8 * layers  # of about 23 a layer, 15 left

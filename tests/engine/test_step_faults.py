@@ -72,16 +72,18 @@ def test_forward_fault_mid_decode_keeps_blocks_of_earlier_steps(tiny_dir, refere
     engine.add_request(B, GREEDY, "b")
     for _ in range(3):
         assert all(o.finish_reason is None for o in engine.step())
-    layer = engine.loaded.model.model.layers[-1]
-    calls = []
+    pool, last = engine.kv.pool, len(engine.loaded.model.model.layers) - 1
+    write, calls = pool.write, []
 
-    def forward(*args, **kwargs):
-        calls.append(1)
-        raise Boom("layer broke after the first layer wrote its K/V")
+    def failing_write(layer, *args):
+        if layer == last:
+            calls.append(1)
+            raise Boom("the last layer broke after the earlier layers wrote their K/V")
+        return write(layer, *args)
 
-    layer.forward = forward
+    pool.write = failing_write
     outs = engine.step()
-    del layer.forward
+    del pool.write
     assert calls and sorted((o.request_id, o.finish_reason) for o in outs) == [("a", "error"), ("b", "error")]
     assert not engine.has_unfinished_requests() and engine.requests == {}
     engine.add_request(A, GREEDY, "a-again")

@@ -14,27 +14,23 @@
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-#define KVFORGE_INT8_VNNI 1
+#include "int8_matmul.h"
+
+#if KVFORGE_INT8_VNNI
 #include <immintrin.h>
 #endif
 
 namespace kvforge {
-namespace {
 
 #if KVFORGE_INT8_VNNI
+namespace {
+
 constexpr int64_t kBlock = 32;  // columns of x per int8 scale
 constexpr int64_t kChunk = 64;  // columns per vpdpbusd: 16 lanes of 4
 constexpr int64_t kLanes = 16;
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // explicit rounding: never fused into an FMA
 
-// Rows of x in the kernel's form: int8 per block, and per lane of each chunk its correction and its block's scale.
-struct QuantizedRows {
-  int64_t chunks;
-  std::vector<int8_t> q;       // [M, chunks * 64], zero past K
-  std::vector<int32_t> fix;    // [M, chunks * 16]: -128 * (sum of the lane's 4 values of q)
-  std::vector<float> d;        // [M, chunks * 16]: the lane's block scale
-};
+}  // namespace
 
 // As ops/int8.py's quantize_blocks: d = amax / 127, q = round_half_even(x * (127 / amax)), zero blocks give zeros.
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
@@ -62,6 +58,8 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   return out;
 }
 
+namespace {
+
 // The 16 lanes summed as ops/int8.py's lane_sum: halves, then quarters, eighths, the last pair.
 inline float lane_sum(__m512 v) {
   const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -70,7 +68,6 @@ inline float lane_sum(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-constexpr int kTile = 4;  // rows of Wq per tile, interleaved per 64-column chunk in the packed layout
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the loads the packed weights are prefetched (into L2)
 
 // Tile t of the packed Wq ([tiles, chunks, 4, 64], one linear stream) against rows [m0, m0 + MR) of x. The first
@@ -107,6 +104,8 @@ inline void tile(const QuantizedRows& xq, const int8_t* w, const float* scale, f
     for (int m = 0; m < MR; ++m) y[(m0 + m) * N + n0 + r] = lane_sum(acc[r][m]) * scale[n0 + r];
 }
 
+}  // namespace
+
 void tiles(const QuantizedRows& xq, const int8_t* w, const float* s, float* y, int64_t N, int64_t M, int64_t t0,
            int64_t t1) {
   for (int64_t t = t0; t < t1; ++t)
@@ -119,6 +118,8 @@ void tiles(const QuantizedRows& xq, const int8_t* w, const float* s, float* y, i
       }
     }
 }
+
+namespace {
 
 at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& scale_in,
                            const c10::optional<at::Tensor>& bias) {
@@ -141,9 +142,10 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
-#endif
 
 }  // namespace
+#endif
+
 }  // namespace kvforge
 
 #if KVFORGE_INT8_VNNI

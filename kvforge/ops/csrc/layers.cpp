@@ -8,7 +8,7 @@
 
 #include <cmath>
 
-#include "vmath.h"
+#include "rows.h"
 
 namespace kvforge {
 namespace {
@@ -27,16 +27,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double
   const float *src = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = src + r * d;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-      float* o = dst + r * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) o[i] = wp[i] * (xr[i] * inv);
-    }
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(src + r * d, wp, dst + r * d, d, static_cast<float>(eps));
   });
   return out;
 }
@@ -54,20 +45,8 @@ at::Tensor add_rms_norm_cpu(at::Tensor residual, const at::Tensor& x_in, const a
   const float *src = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* rr = res + r * d;
-      const float* xr = src + r * d;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < d; ++i) {
-        rr[i] += xr[i];
-        ss += rr[i] * rr[i];
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + static_cast<float>(eps));
-      float* o = dst + r * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) o[i] = wp[i] * (rr[i] * inv);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      add_rms_norm_row(res + r * d, src + r * d, wp, dst + r * d, d, static_cast<float>(eps));
   });
   return out;
 }
@@ -87,13 +66,7 @@ void rope_cpu(at::Tensor x, const at::Tensor& cos_in, const at::Tensor& sin_in) 
     float lo[512];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / heads, h = task % heads;
-      float* v = base + i * st + h * sh;
-      const float *cr = cp + i * d, *sr = sp + i * d;
-      for (int64_t j = 0; j < half; ++j) lo[j] = v[j];
-#pragma omp simd
-      for (int64_t j = 0; j < half; ++j) v[j] = v[j] * cr[j] + (-v[j + half]) * sr[j];
-#pragma omp simd
-      for (int64_t j = 0; j < half; ++j) v[j + half] = v[j + half] * cr[j + half] + lo[j] * sr[j + half];
+      rope_row(base + i * st + h * sh, cp + i * d, sp + i * d, d, lo);
     }
   });
 }
@@ -109,16 +82,7 @@ at::Tensor silu_mul_cpu(const at::Tensor& gu_in) {
   const float* src = gu.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float *g = src + r * 2 * n, *u = g + n;
-      float* o = dst + r * n;
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float e = exp_nonpositive(-std::fabs(g[i]));  // sigmoid from exp(-|g|): no overflow
-        const float sig = g[i] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-        o[i] = g[i] * sig * u[i];
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(src + r * 2 * n, src + r * 2 * n + n, dst + r * n, n);
   });
   return out;
 }

@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "small_matmul.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -89,6 +91,19 @@ void rows_chunk(const float* x, const float* w, float* y, int64_t K, int64_t N, 
 }
 #endif
 
+}  // namespace
+
+#if defined(__AVX512F__)
+void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t r0, int64_t r1) {
+  for (int64_t n0 = r0; n0 < r1; n0 += kLinearUnit) {
+    const int64_t n1 = std::min(r1, n0 + kLinearUnit);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) rows_chunk(x, w, y, K, N, m0, std::min<int64_t>(8, M - m0), n0, n1);
+  }
+}
+#endif
+
+namespace {
+
 at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1),
               "small_linear: x [M, K] and weight [N, K] expected");
@@ -99,12 +114,9 @@ at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& w_in, cons
   at::Tensor y = at::empty({M, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRowsPerTask = 64;  // W rows per parallel task: 64 * K floats streamed, then the next
-  at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n0 = task * kRowsPerTask, n1 = std::min(N, n0 + kRowsPerTask);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) rows_chunk(xp, wp, yp, K, N, m0, std::min<int64_t>(8, M - m0), n0, n1);
-    }
+  at::parallel_for(0, linear_units(N), 1,
+                   [&](int64_t begin, int64_t end) {
+    linear_rows(xp, wp, yp, M, K, N, begin * kLinearUnit, std::min(N, end * kLinearUnit));
   });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;

@@ -1,0 +1,86 @@
+"""A Llama-family forward for decode-sized steps through the compiled layer bridge (ops/layer_bridge.py): per
+layer, the KV write and attention stay as the model runs them (every KV format, policy and attention path), and
+one operator call does everything between two attentions. Same results as the per-op forward (same kernels)."""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvforge.attention import AttentionMetadata, attend
+from kvforge.kv.pool import KVPool
+from kvforge.models.int8_weights import INT8, is_quantized
+from kvforge.ops.int8 import compiled_for
+from kvforge.ops.layer_bridge import layer_bridge, serves
+
+
+@dataclass
+class BridgeWeights:
+    pre: list[list[torch.Tensor]]  # per layer: [input norm, qkv weight, its int8 scale, qkv bias]
+    post: list[list[torch.Tensor]]  # per layer: [o weight, scale, bias, post-attention norm, gate_up w, s, down w, s]
+    final: list[torch.Tensor]  # [final norm]
+    int8: bool  # int8 weights (they need the compiled int8 kernel)
+
+
+_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, BridgeWeights | None] = weakref.WeakKeyDictionary()
+
+
+def _parts(weight: torch.Tensor) -> list[torch.Tensor]:
+    """[weight, scale] in the operator's form: the int8 packed weight and its scales, or the fp32 weight, no scale."""
+    q = getattr(weight, INT8, None)
+    return [weight, _none(weight)] if q is None else [q[0], q[1]]
+
+
+def _bias(bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    return _none(weight) if bias is None else bias
+
+
+def _none(like: torch.Tensor) -> torch.Tensor:
+    """The operator's empty tensor for no scale or bias, on the weights' device (a tensor made at import could land
+    on the meta device the loader builds models on, and send every call to the torch reference)."""
+    return torch.empty(0, device=like.device)
+
+
+def _weights(model: nn.Module) -> BridgeWeights | None:
+    """The model's weights in the bridge's argument lists (built once per model), or None when its layers are not
+    the plain Llama shape the bridge computes (q/k norms, soft-capping, unfused projections; int8 tiles of 4 rows
+need an MLP width divisible by 4)."""
+    if model not in _WEIGHTS:
+        layers, cfg = model.model.layers, model.config
+        plain = not cfg.qk_norm and cfg.intermediate_size % 4 == 0 and all(
+            layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
+            and layer.self_attn.softcap is None for layer in layers)
+        _WEIGHTS[model] = BridgeWeights(
+            pre=[[layer.input_layernorm.weight, *_parts(layer.self_attn.qkv_weight),
+                  _bias(layer.self_attn.qkv_bias, layer.self_attn.qkv_weight)] for layer in layers],
+            post=[[*_parts(layer.self_attn.o_proj.weight), _bias(layer.self_attn.o_proj.bias, layer.self_attn.o_proj.weight),
+                   layer.post_attention_layernorm.weight, *_parts(layer.mlp.gate_up_weight),
+                   *_parts(layer.mlp.down_proj.weight)] for layer in layers],
+            final=[model.model.norm.weight], int8=is_quantized(model)) if plain else None
+    return _WEIGHTS[model]
+
+
+def bridged(model: nn.Module, x: torch.Tensor) -> BridgeWeights | None:
+    """The model's bridge weights when this step (embeddings x) can run through the bridge, else None."""
+    weights = _weights(model) if serves(x) else None
+    return None if weights is None or (weights.int8 and not compiled_for(x)) else weights
+
+
+def forward_bridged(model: nn.Module, weights: BridgeWeights, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+                    layers: Sequence[int]) -> torch.Tensor:
+    """Final-normed hidden states of `layers` (ascending) over embeddings x, which become the residual stream."""
+    cfg, t = model.config, x.shape[0]
+    heads, kv_heads, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+    qkv = layer_bridge(None, x, cos, sin, [], weights.pre[layers[0]], heads, kv_heads, eps)
+    for n, i in enumerate(layers):
+        attn = model.model.layers[i].self_attn
+        q, k, v = qkv.view(t, heads + 2 * kv_heads, -1).split_with_sizes([heads, kv_heads, kv_heads], dim=1)
+        kv.write(i, meta, k, v)
+        out = attend(q, kv.layers[i], meta.for_layer(i), attn.scale)
+        pre = weights.pre[layers[n + 1]] if n + 1 < len(layers) else weights.final
+        qkv = layer_bridge(out.reshape(t, -1), x, cos, sin, weights.post[i], pre, heads, kv_heads, eps)
+    return qkv

@@ -1,0 +1,207 @@
+// kvforge::layer_bridge: a Llama decoder's work between two attentions, for the few rows of a decode step, in one
+// call and one parallel region: o_proj, residual add + norm, gate/up, silu * up, down, residual add + the next
+// layer's input norm, its fused q/k/v projection and RoPE on q and k (or, after the last layer, the final norm).
+// The threads split each matmul's output rows and meet at a barrier between phases, where the per-op path crossed
+// Python and forked the threads five times a layer. Each value is computed by the same row functions as the
+// per-op kernels (rows.h, small_matmul.h, int8_matmul.h), so the two paths give the same floats.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "int8_matmul.h"
+#include "rows.h"
+#include "small_matmul.h"
+
+namespace kvforge {
+namespace {
+
+#if defined(__AVX512F__)
+// A linear layer's weight: fp32 [N, K], or (int8 weights) packed int8 as ops/int8.py's pack with one scale per row.
+struct Linear {
+  const float* w = nullptr;
+  const int8_t* q = nullptr;
+  const float* scale = nullptr;
+  const float* bias = nullptr;
+  int64_t N = 0, K = 0;
+};
+
+const float* data_or_null(const at::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
+
+Linear linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& bias, int64_t K, const char* name) {
+  Linear lin;
+  lin.K = K;
+  TORCH_CHECK(w.is_contiguous(), "layer_bridge: ", name, " weight must be contiguous");
+  if (scale.numel()) {
+#if KVFORGE_INT8_VNNI
+    lin.N = scale.numel();
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 4 && w.size(0) == (lin.N + kTile - 1) / kTile &&
+                    w.size(1) == (K + 63) / 64 && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+                "layer_bridge: ", name, " int8 weight must be packed [ceil(N / 4), ceil(K / 64), 4, 64] with N scales");
+    lin.q = w.data_ptr<int8_t>();
+    lin.scale = scale.data_ptr<float>();
+#else
+    TORCH_CHECK(false, "layer_bridge: int8 weights need AVX-512 VNNI");
+#endif
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) == K,
+                "layer_bridge: ", name, " weight must be fp32 [N, ", K, "]");
+    lin.N = w.size(0);
+    lin.w = w.data_ptr<float>();
+  }
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == lin.N && bias.is_contiguous()),
+              "layer_bridge: ", name, " bias must be empty or one value per output");
+  lin.bias = data_or_null(bias);
+  return lin;
+}
+
+// This thread's share [lo, hi) of n units.
+inline void share(int64_t n, int tid, int nt, int64_t* lo, int64_t* hi) {
+  *lo = n * tid / nt;
+  *hi = n * (tid + 1) / nt;
+}
+
+// Columns col + [r0, r1) of y [M, stride] = x [M, K] @ W rows col + [r0, r1) + bias; for int8 weights r0, r1 on
+// tile boundaries (4 rows) or at the end of the weight.
+void rows_of(const Linear& lin, const float* x, const QuantizedRows* xq, int64_t M, float* y, int64_t stride,
+             int64_t col, int64_t r0, int64_t r1) {
+  if (r0 >= r1) return;
+  if (lin.w) {
+    linear_rows(x, lin.w + col * lin.K, y + col, M, lin.K, stride, r0, r1);
+  } else {
+#if KVFORGE_INT8_VNNI
+    tiles(*xq, lin.q, lin.scale, y, stride, M, (col + r0) / kTile, (col + r1 + kTile - 1) / kTile);
+#endif
+  }
+  if (lin.bias)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t r = r0; r < r1; ++r) y[m * stride + col + r] += lin.bias[col + r];
+}
+
+int64_t unit_of(const Linear& lin) { return lin.w ? kLinearUnit : kTile; }
+
+// This thread's unit-aligned share of `rows` output rows.
+void row_share(const Linear& lin, int64_t rows, int tid, int nt, int64_t* r0, int64_t* r1) {
+  const int64_t unit = unit_of(lin);
+  int64_t u0, u1;
+  share((rows + unit - 1) / unit, tid, nt, &u0, &u1);
+  *r0 = std::min(rows, u0 * unit);
+  *r1 = std::min(rows, u1 * unit);
+}
+
+QuantizedRows quantized(const Linear& lin, const float* x, int64_t M) {
+#if KVFORGE_INT8_VNNI
+  if (lin.q) return quantize_rows(x, M, lin.K);
+#endif
+  return {};
+}
+
+// y = x @ W^T + b, this thread's share of the rows.
+void linear_share(const Linear& lin, const float* x, int64_t M, float* y, int tid, int nt) {
+  int64_t r0, r1;
+  row_share(lin, lin.N, tid, nt, &r0, &r1);
+  const QuantizedRows xq = quantized(lin, x, M);
+  rows_of(lin, x, &xq, M, y, lin.N, 0, r0, r1);
+}
+
+at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor residual, const at::Tensor& cos,
+                            const at::Tensor& sin, std::vector<at::Tensor> post, std::vector<at::Tensor> pre,
+                            int64_t heads, int64_t kv_heads, double eps_in) {
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.is_contiguous(),
+              "layer_bridge: residual must be contiguous fp32 [T, hidden]");
+  const int64_t M = residual.size(0), hidden = residual.size(1);
+  const float eps = static_cast<float>(eps_in);
+  const bool attn = attn_in.has_value() && attn_in->defined();
+  TORCH_CHECK(attn == (post.size() == 8) && (attn || post.empty()),
+              "layer_bridge: attention output and post weights [o_w, o_scale, o_bias, norm_w, gate_up_w, "
+              "gate_up_scale, down_w, down_scale] come together");
+  TORCH_CHECK(pre.size() == 4 || pre.size() == 1,
+              "layer_bridge: pre is [norm_w, qkv_w, qkv_scale, qkv_bias] or the final [norm_w]");
+  at::Tensor a;
+  Linear o, gate_up, down;
+  const float* ln2 = nullptr;
+  int64_t inter = 0;
+  if (attn) {
+    a = attn_in->contiguous();
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2 && a.size(0) == M,
+                "layer_bridge: attention output must be fp32 [T, heads * dim]");
+    o = linear_of(post[0], post[1], post[2], a.size(1), "o_proj");
+    TORCH_CHECK(o.N == hidden && post[3].numel() == hidden, "layer_bridge: o_proj and norm must give hidden");
+    ln2 = post[3].data_ptr<float>();
+    gate_up = linear_of(post[4], post[5], at::Tensor(), hidden, "gate_up");
+    inter = gate_up.N / 2;
+    down = linear_of(post[6], post[7], at::Tensor(), inter, "down");
+    TORCH_CHECK(gate_up.N == 2 * inter && down.N == hidden && (gate_up.w || inter % kTile == 0),
+                "layer_bridge: gate_up must be [2 * inter, hidden] and down [hidden, inter], inter a multiple of 4 "
+                "for int8 weights");
+  }
+  TORCH_CHECK(pre[0].numel() == hidden, "layer_bridge: norm weight must have hidden elements");
+  const float* ln1 = pre[0].data_ptr<float>();
+  const bool last = pre.size() == 1;
+  Linear qkv;
+  const int64_t D = cos.size(-1);
+  if (!last) {
+    qkv = linear_of(pre[1], pre[2], pre[3], hidden, "qkv");
+    TORCH_CHECK(qkv.N == (heads + 2 * kv_heads) * D && cos.sizes() == sin.sizes() && cos.size(0) == M &&
+                    cos.is_contiguous() && sin.is_contiguous() && D % 2 == 0 && D <= 1024,
+                "layer_bridge: qkv must give (heads + 2 * kv_heads) * dim outputs, cos/sin [T, dim]");
+  }
+  at::Tensor out = at::empty({M, last ? hidden : qkv.N}, residual.options());
+  at::Tensor scratch = at::empty({M * (3 * hidden + 3 * inter)}, residual.options());
+  float* res = residual.data_ptr<float>();
+  float *h = scratch.data_ptr<float>(), *o_out = h + M * hidden, *d_out = o_out + M * hidden;
+  float *gu = d_out + M * hidden, *act = gu + 2 * M * inter, *y = out.data_ptr<float>();
+  const float* ap = attn ? a.data_ptr<float>() : nullptr;
+  const float *cp = last ? nullptr : cos.data_ptr<float>(), *sp = last ? nullptr : sin.data_ptr<float>();
+  const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+    if (attn) {
+      linear_share(o, ap, M, o_out, tid, team);
+#pragma omp barrier
+      if (tid == 0)
+        for (int64_t m = 0; m < M; ++m) add_rms_norm_row(res + m * hidden, o_out + m * hidden, ln2, h + m * hidden, hidden, eps);
+#pragma omp barrier
+      int64_t r0, r1;  // gate rows [r0, r1) and the same up rows, then silu(gate) * up of them
+      row_share(gate_up, inter, tid, team, &r0, &r1);
+      const QuantizedRows hq = quantized(gate_up, h, M);
+      rows_of(gate_up, h, &hq, M, gu, 2 * inter, 0, r0, r1);
+      rows_of(gate_up, h, &hq, M, gu, 2 * inter, inter, r0, r1);
+      for (int64_t m = 0; m < M && r0 < r1; ++m)
+        silu_mul_row(gu + m * 2 * inter + r0, gu + m * 2 * inter + inter + r0, act + m * inter + r0, r1 - r0);
+#pragma omp barrier
+      linear_share(down, act, M, d_out, tid, team);
+#pragma omp barrier
+    }
+    float* normed = last ? y : h;
+    if (tid == 0)
+      for (int64_t m = 0; m < M; ++m) {
+        if (attn) add_rms_norm_row(res + m * hidden, d_out + m * hidden, ln1, normed + m * hidden, hidden, eps);
+        else rms_norm_row(res + m * hidden, ln1, normed + m * hidden, hidden, eps);
+      }
+    if (!last) {
+#pragma omp barrier
+      linear_share(qkv, h, M, y, tid, team);
+#pragma omp barrier
+      int64_t t0, t1;
+      share(M * (heads + kv_heads), tid, team, &t0, &t1);
+      float lo[512];
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t m = task / (heads + kv_heads), head = task % (heads + kv_heads);
+        rope_row(y + m * qkv.N + head * D, cp + m * D, sp + m * D, D, lo);
+      }
+    }
+  }
+  return out;
+}
+#endif
+
+}  // namespace
+}  // namespace kvforge
+
+#if defined(__AVX512F__)
+TORCH_LIBRARY_IMPL(kvforge, CPU, m) { m.impl("layer_bridge", &kvforge::layer_bridge_cpu); }
+#endif

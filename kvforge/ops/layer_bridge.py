@@ -1,0 +1,31 @@
+"""The fused layer bridge (csrc/layer_bridge.cpp): everything a Llama decoder does between two attentions, for
+the few rows of a decode step, in one operator call and one parallel region (the per-op path crosses Python and
+forks the threads about ten times per layer). models/bridged.py runs a model's layers through it."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvforge.ops.build import disabled, load_compiled
+
+BRIDGE_ROWS = 8  # rows (query tokens of a step) up to which the bridge streams each weight once for all of them
+
+
+@functools.cache
+def _cpu_kernel() -> bool:
+    return load_compiled() and torch._C._dispatch_has_kernel_for_dispatch_key("kvforge::layer_bridge", "CPU")
+
+
+def serves(x: torch.Tensor) -> bool:
+    """True when the compiled bridge takes these hidden states [T, hidden]: fp32 on CPU, no gradient, at most
+    BRIDGE_ROWS rows, the kernels built."""
+    return (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= BRIDGE_ROWS
+            and not (x.requires_grad and torch.is_grad_enabled()) and not disabled() and _cpu_kernel())
+
+
+def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 post: list[torch.Tensor], pre: list[torch.Tensor], heads: int, kv_heads: int,
+                 eps: float) -> torch.Tensor:
+    """See layers_reference.layer_bridge for the arguments."""
+    return torch.ops.kvforge.layer_bridge(attn, residual, cos, sin, post, pre, heads, kv_heads, eps)

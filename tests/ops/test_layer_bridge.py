@@ -1,0 +1,135 @@
+"""The fused layer bridge (csrc/layer_bridge.cpp) against its torch reference, for fp32 and int8 weights, every
+form (first layer, between layers, final norm) and thread count; and the engine through it against the per-op
+forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.engine.engine import LLMEngine
+from kvforge.models import bridged
+from kvforge.models.int8_weights import int8_loaded
+from kvforge.models.llama import LlamaForCausalLM
+from kvforge.ops import int8, layers_reference
+from kvforge.ops.layer_bridge import serves
+from kvforge.sampling_params import SamplingParams
+
+HIDDEN, HEADS, KV_HEADS, DIM, EPS = 64, 4, 2, 16, 1e-5
+EMPTY = torch.empty(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    if not serves(torch.zeros(1, 8)):
+        pytest.skip("no compiled layer bridge on this machine (no compiler or no AVX-512)")
+
+
+def _linear(gen, n, k, quantized, bias=False):
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    parts = [w, EMPTY]
+    if quantized:
+        q, scale = int8.quantize_per_channel(w)
+        parts = [int8.pack(q), scale]
+    return parts + ([torch.randn(n, generator=gen) if bias else EMPTY] if bias is not None else [])
+
+
+def _weights(seed, inter, quantized, bias):
+    gen = torch.Generator().manual_seed(seed)
+    norm = lambda: 1 + 0.1 * torch.randn(HIDDEN, generator=gen)
+    post = [*_linear(gen, HIDDEN, HEADS * DIM, quantized, bias), norm(), *_linear(gen, 2 * inter, HIDDEN, quantized, None),
+            *_linear(gen, HIDDEN, inter, quantized, None)]
+    pre = [norm(), *_linear(gen, (HEADS + 2 * KV_HEADS) * DIM, HIDDEN, quantized, bias)]
+    return post, pre, [norm()], gen
+
+
+def _run(op, attn, residual, cos, sin, post, pre):
+    residual = residual.clone()
+    out = op(attn, residual, cos, sin, post, pre, HEADS, KV_HEADS, EPS)
+    return out, residual
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("inter,bias", [(128, False), (96, True)])
+def test_bridge_matches_the_reference(quantized, rows, inter, bias):
+    if quantized and not int8.compiled_for(torch.zeros(1, 8)):
+        pytest.skip("no int8 kernel (AVX-512 VNNI) on this machine")
+    post, pre, final, gen = _weights(rows + inter, inter, quantized, bias)
+    attn = torch.randn(rows, HEADS * DIM, generator=gen)
+    residual = torch.randn(rows, HIDDEN, generator=gen)
+    angles = torch.randn(rows, DIM // 2, generator=gen).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    tol = {"rtol": 2e-3, "atol": 2e-3} if quantized else {"rtol": 1e-5, "atol": 1e-5}
+    for a, p_post, p_pre in [(None, [], pre), (attn, post, pre), (attn, post, final)]:
+        got, got_res = _run(torch.ops.kvforge.layer_bridge, a, residual, cos, sin, p_post, p_pre)
+        want, want_res = _run(layers_reference.layer_bridge, a, residual, cos, sin, p_post, p_pre)
+        assert got.shape == want.shape == (rows, HIDDEN if len(p_pre) == 1 else (HEADS + 2 * KV_HEADS) * DIM)
+        torch.testing.assert_close(got, want, **tol)
+        torch.testing.assert_close(got_res, want_res, **tol)
+
+
+def test_thread_count_does_not_change_a_value():
+    post, pre, _, gen = _weights(7, 128, False, True)
+    attn, residual = torch.randn(5, HEADS * DIM, generator=gen), torch.randn(5, HIDDEN, generator=gen)
+    cos, sin = torch.ones(5, DIM), torch.zeros(5, DIM)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(_run(torch.ops.kvforge.layer_bridge, attn, residual, cos, sin, post, pre))
+    finally:
+        torch.set_num_threads(threads)
+    for out, res in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(res, outs[0][1])
+
+
+def test_bad_arguments_say_what_is_expected():
+    post, pre, _, gen = _weights(1, 128, False, False)
+    residual = torch.randn(2, HIDDEN, generator=gen)
+    with pytest.raises(RuntimeError, match="come together"):
+        torch.ops.kvforge.layer_bridge(None, residual, torch.ones(2, DIM), torch.zeros(2, DIM), post, pre,
+                                       HEADS, KV_HEADS, EPS)
+    with pytest.raises(RuntimeError, match="qkv must give"):
+        torch.ops.kvforge.layer_bridge(None, residual, torch.ones(2, DIM), torch.zeros(2, DIM), [], pre,
+                                       HEADS + 1, KV_HEADS, EPS)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = [[(5 * i + j) % 90 + 3 for j in range(4 + 7 * i)] for i in range(3)]
+
+
+def _generate(loaded, speculative=None):
+    engine = LLMEngine(EngineConfig(block_size=8, max_model_len=64, kv_cache_memory=1 << 22,
+                                    enable_prefix_caching=False, speculative=speculative), loaded)
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 2,
+                                                "prompt_lookup_min": 1}], ids=["plain", "ngram"])
+def test_engine_tokens_same_through_the_bridge(tiny_loaded, monkeypatch, weights, speculative):
+    if weights == "int8" and not int8.compiled_for(torch.zeros(1, 8)):
+        pytest.skip("no int8 kernel (AVX-512 VNNI) on this machine")
+    loaded = int8_loaded(tiny_loaded) if weights == "int8" else tiny_loaded
+    calls = []
+    real = bridged.layer_bridge
+    def spy(*args):
+        tensors = [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
+        assert all(t.device.type == "cpu" for t in tensors)  # else the dispatcher runs the torch reference
+        calls.append(args[0] is None)
+        return real(*args)
+
+    monkeypatch.setattr(bridged, "layer_bridge", spy)
+    on = _generate(loaded, speculative)
+    assert sum(calls) > 0 and len(calls) > sum(calls)  # steps ran through it, first layer and between layers
+    monkeypatch.setattr(LlamaForCausalLM, "use_bridge", False)
+    calls.clear()
+    off = _generate(loaded, speculative)
+    assert not calls
+    assert on == off
