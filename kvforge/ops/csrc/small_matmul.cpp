@@ -20,6 +20,7 @@ namespace {
 // memory sees one sequential stream (tiles of 8 rows, i.e. 8 interleaved streams, ran at ~60% of a plain read's
 // bandwidth on 2 MB pages), and asked for 4 KB ahead into L3 (+5-10% over the hardware prefetcher alone).
 constexpr int64_t kAhead = 1024;  // floats
+constexpr int64_t kL1Floats = 6144;  // 24 KB of rows of x per pass
 
 inline void one_row(const float* x, const float* w, float* y, int64_t K, int64_t n0, int64_t n1) {
   const int64_t k64 = K / 64 * 64, k16 = K / 16 * 16;
@@ -95,9 +96,13 @@ void rows_chunk(const float* x, const float* w, float* y, int64_t K, int64_t N, 
 
 #if defined(__AVX512F__)
 void linear_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t r0, int64_t r1) {
+  // rows of x per pass: up to 8 while they fit in L1 with room for the weights (K = 1536: 4), in even groups; each
+  // unit of W is read from memory by the first pass and from L2 by the others
+  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(8, kL1Floats / K));
+  const int64_t passes = (M + most - 1) / most, group = (M + passes - 1) / passes;
   for (int64_t n0 = r0; n0 < r1; n0 += kLinearUnit) {
     const int64_t n1 = std::min(r1, n0 + kLinearUnit);
-    for (int64_t m0 = 0; m0 < M; m0 += 8) rows_chunk(x, w, y, K, N, m0, std::min<int64_t>(8, M - m0), n0, n1);
+    for (int64_t m0 = 0; m0 < M; m0 += group) rows_chunk(x, w, y, K, N, m0, std::min(group, M - m0), n0, n1);
   }
 }
 #endif
