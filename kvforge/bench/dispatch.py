@@ -1,6 +1,7 @@
 """Count the aten operators a piece of engine work dispatches (each one is a trip through torch's
 dispatcher and, on CPU, a small kernel launch): `count_ops(fn)` for any callable, `decode_step_ops`
-for one decode step of an engine (`python -m kvforge.bench.dispatch [--batch 1 8] [--context 128]`), and the
+for one decode step of an engine (`python -m kvforge.bench.dispatch [--batch 1 8] [--context 128]`; `per_op_*`: the
+same step without the layer bridge), and the
 median CPU time of this thread per decode step (`--time-steps N`; the file also runs as a script against
 another checkout's kvforge on PYTHONPATH, for before/after comparisons in one run).
 """
@@ -52,19 +53,27 @@ def step_cpu_ms(engine, steps: int) -> float:
 
 def dispatch_report(batches: list[int], context: int, model: str | None = None, time_steps: int = 0) -> dict:
     from kvforge.bench.kv_formats import decode_engine
+    from kvforge.models.llama import LlamaForCausalLM
     from kvforge.models.loader import load_model
 
     loaded = load_model(model)
     layers = loaded.config.num_layers
     rows = {}
+    saved = LlamaForCausalLM.use_bridge
     for batch in batches:
-        engine = decode_engine(loaded, "fp32", context - 1, batch, 8 + time_steps, 16)
-        ops = decode_step_ops(engine)
-        total = sum(ops.values())
-        rows[f"b{batch}"] = {"ops_per_step": total, "ops_per_layer": total / layers,
-                             "top": dict(ops.most_common(12))}
-        if time_steps:
-            rows[f"b{batch}"]["cpu_ms_per_step"] = step_cpu_ms(engine, time_steps)
+        for path, bridge in (("", saved), ("per_op_", False)):  # the step as it runs, then without the layer bridge
+            LlamaForCausalLM.use_bridge = bridge
+            try:
+                engine = decode_engine(loaded, "fp32", context - 1, batch, 8 + time_steps, 16)
+                ops = decode_step_ops(engine)
+                total = sum(ops.values())
+                row = rows.setdefault(f"b{batch}", {})
+                row.update({f"{path}ops_per_step": total, f"{path}ops_per_layer": total / layers,
+                            f"{path}top": dict(ops.most_common(12))})
+                if time_steps:
+                    row[f"{path}cpu_ms_per_step"] = step_cpu_ms(engine, time_steps)
+            finally:
+                LlamaForCausalLM.use_bridge = saved
     return {"context": context, "layers": layers, "steps": rows}
 
 
