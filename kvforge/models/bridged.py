@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kvforge.attention import AttentionMetadata, attend
+from kvforge.kv.formats import PlainLayerKV
 from kvforge.kv.pool import KVPool
 from kvforge.models.int8_weights import INT8, is_quantized
 from kvforge.ops.int8 import compiled_for
@@ -23,6 +24,7 @@ class BridgeWeights:
     post: list[list[torch.Tensor]]  # per layer: [o weight, scale, bias, post-attention norm, gate_up w, s, down w, s]
     final: list[torch.Tensor]  # [final norm]
     int8: bool  # int8 weights (they need the compiled int8 kernel)
+    scale: float  # attention's softmax scale
 
 
 _WEIGHTS: weakref.WeakKeyDictionary[nn.Module, BridgeWeights | None] = weakref.WeakKeyDictionary()
@@ -59,7 +61,8 @@ need an MLP width divisible by 4)."""
             post=[[*_parts(layer.self_attn.o_proj.weight), _bias(layer.self_attn.o_proj.bias, layer.self_attn.o_proj.weight),
                    layer.post_attention_layernorm.weight, *_parts(layer.mlp.gate_up_weight),
                    *_parts(layer.mlp.down_proj.weight)] for layer in layers],
-            final=[model.model.norm.weight], int8=is_quantized(model)) if plain else None
+            final=[model.model.norm.weight], int8=is_quantized(model),
+            scale=layers[0].self_attn.scale) if plain else None
     return _WEIGHTS[model]
 
 
@@ -72,15 +75,27 @@ def bridged(model: nn.Module, x: torch.Tensor) -> BridgeWeights | None:
 def forward_bridged(model: nn.Module, weights: BridgeWeights, x: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
                     layers: Sequence[int]) -> torch.Tensor:
-    """Final-normed hidden states of `layers` (ascending) over embeddings x, which become the residual stream."""
+    """Final-normed hidden states of `layers` (ascending) over embeddings x, which become the residual stream. The
+    bridge stores a layer's new K and V itself when the layer's cache is a plain one; other formats write here."""
     cfg, t = model.config, x.shape[0]
     heads, kv_heads, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
-    qkv = layer_bridge(None, x, cos, sin, [], weights.pre[layers[0]], heads, kv_heads, eps)
+    writes = [_plain_write(kv, meta, i) for i in layers]
+    qkv = layer_bridge(None, x, cos, sin, [], weights.pre[layers[0]], heads, kv_heads, eps, writes[0])
     for n, i in enumerate(layers):
-        attn = model.model.layers[i].self_attn
         q, k, v = qkv.view(t, heads + 2 * kv_heads, -1).split_with_sizes([heads, kv_heads, kv_heads], dim=1)
-        kv.write(i, meta, k, v)
-        out = attend(q, kv.layers[i], meta.for_layer(i), attn.scale)
-        pre = weights.pre[layers[n + 1]] if n + 1 < len(layers) else weights.final
-        qkv = layer_bridge(out.reshape(t, -1), x, cos, sin, weights.post[i], pre, heads, kv_heads, eps)
+        if not writes[n]:
+            kv.write(i, meta, k, v)
+        out = attend(q, kv.layers[i], meta.for_layer(i), weights.scale)
+        last = n + 1 == len(layers)
+        pre, write = (weights.final, []) if last else (weights.pre[layers[n + 1]], writes[n + 1])
+        qkv = layer_bridge(out.reshape(t, -1), x, cos, sin, weights.post[i], pre, heads, kv_heads, eps, write)
     return qkv
+
+
+def _plain_write(kv: KVPool, meta: AttentionMetadata, layer: int) -> list[torch.Tensor]:
+    """[k_cache, v_cache, slots] for the bridge to store the layer's new rows itself (a plain fp32/fp16/bf16 cache),
+    else []: the format's own write runs."""
+    cache = kv.layers[layer]
+    if type(cache) is not PlainLayerKV or cache.v is None:
+        return []
+    return [cache.k, cache.v, meta.for_layer(layer).slot_mapping]

@@ -25,7 +25,7 @@ def serves(x: torch.Tensor) -> bool:
 
 
 def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 post: list[torch.Tensor], pre: list[torch.Tensor], heads: int, kv_heads: int,
-                 eps: float) -> torch.Tensor:
+                 post: list[torch.Tensor], pre: list[torch.Tensor], heads: int, kv_heads: int, eps: float,
+                 kv_write: list[torch.Tensor]) -> torch.Tensor:
     """See layers_reference.layer_bridge for the arguments."""
-    return torch.ops.kvforge.layer_bridge(attn, residual, cos, sin, post, pre, heads, kv_heads, eps)
+    return torch.ops.kvforge.layer_bridge(attn, residual, cos, sin, post, pre, heads, kv_heads, eps, kv_write)

@@ -35,13 +35,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 post: list[torch.Tensor], pre: list[torch.Tensor], heads: int, kv_heads: int,
-                 eps: float) -> torch.Tensor:
+                 post: list[torch.Tensor], pre: list[torch.Tensor], heads: int, kv_heads: int, eps: float,
+                 kv_write: list[torch.Tensor]) -> torch.Tensor:
     """A decoder's work between two attentions (csrc/layer_bridge.cpp): with `attn` (this layer's attention
     output) and post = [o_w, o_scale, o_bias, norm_w, gate_up_w, gate_up_scale, down_w, down_scale], the rest of
     the layer; then pre = [norm_w, qkv_w, qkv_scale, qkv_bias]: the next layer's input norm, fused q/k/v projection
     and RoPE on its q and k heads, or pre = [norm_w]: the final norm. A linear with a non-empty scale has int8
-    weights packed by ops/int8.py; empty tensors stand for no scale or bias. `residual` is added to in place."""
+    weights packed by ops/int8.py; empty tensors stand for no scale or bias. `residual` is added to in place.
+    kv_write = [k_cache, v_cache, slots] (a plain cache, [blocks, block_size, kv_heads, dim]) also stores the next
+    layer's new K and V rows at their slots."""
     if attn is not None:
         o_w, o_s, o_b, ln2, gu_w, gu_s, down_w, down_s = post
         h = add_rms_norm_(residual, _linear(attn, o_w, o_s, o_b), ln2, eps)
@@ -51,7 +53,12 @@ def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.T
     if len(pre) == 1:
         return h
     qkv = _linear(h, pre[1], pre[2], pre[3])
-    rope_(qkv.view(qkv.shape[0], -1, cos.shape[-1])[:, : heads + kv_heads], cos, sin)
+    heads_of = qkv.view(qkv.shape[0], -1, cos.shape[-1])
+    rope_(heads_of[:, : heads + kv_heads], cos, sin)
+    if kv_write:
+        k_cache, v_cache, slots = kv_write
+        for cache, rows in ((k_cache, heads_of[:, heads: heads + kv_heads]), (v_cache, heads_of[:, heads + kv_heads:])):
+            cache.view(-1, *cache.shape[2:])[slots] = rows.to(cache.dtype)
     return qkv
 
 

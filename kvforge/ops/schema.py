@@ -24,5 +24,5 @@ LIB.impl("silu_mul", layers_reference.silu_mul, "CompositeExplicitAutograd")
 LIB.define("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 LIB.impl("small_linear", layers_reference.linear, "CompositeExplicitAutograd")
 LIB.define("layer_bridge(Tensor? attn, Tensor(a!) residual, Tensor cos, Tensor sin, Tensor[] post, Tensor[] pre, "
-           "int heads, int kv_heads, float eps) -> Tensor")
+           "int heads, int kv_heads, float eps, Tensor(b!)[] kv_write) -> Tensor")
 LIB.impl("layer_bridge", layers_reference.layer_bridge, "CompositeExplicitAutograd")

@@ -43,9 +43,9 @@ def _weights(seed, inter, quantized, bias):
     return post, pre, [norm()], gen
 
 
-def _run(op, attn, residual, cos, sin, post, pre):
+def _run(op, attn, residual, cos, sin, post, pre, kv_write=()):
     residual = residual.clone()
-    out = op(attn, residual, cos, sin, post, pre, HEADS, KV_HEADS, EPS)
+    out = op(attn, residual, cos, sin, post, pre, HEADS, KV_HEADS, EPS, list(kv_write))
     return out, residual
 
 
@@ -69,6 +69,27 @@ def test_bridge_matches_the_reference(quantized, rows, inter, bias):
         torch.testing.assert_close(got_res, want_res, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_bridge_stores_the_next_layers_k_and_v_as_the_cache_write_would(dtype):
+    post, pre, _, gen = _weights(11, 128, False, True)
+    attn, residual = torch.randn(3, HEADS * DIM, generator=gen), torch.randn(3, HIDDEN, generator=gen)
+    angles = torch.randn(3, DIM // 2, generator=gen).repeat(1, 2)
+    slots = torch.tensor([5, 17, 30])
+    got_caches = [torch.full((4, 8, KV_HEADS, DIM), 7.0, dtype=dtype) for _ in range(2)]
+    got, _ = _run(torch.ops.kvforge.layer_bridge, attn, residual, angles.cos(), angles.sin(), post, pre,
+                  [*got_caches, slots])
+    want_caches = [torch.full((4, 8, KV_HEADS, DIM), 7.0, dtype=dtype) for _ in range(2)]
+    heads = got.view(3, -1, DIM)  # the bridge's own q/k/v output, stored as the format's write stores it
+    for cache, rows in zip(want_caches, (heads[:, HEADS: HEADS + KV_HEADS], heads[:, HEADS + KV_HEADS:])):
+        cache.view(-1, KV_HEADS, DIM)[slots] = rows.to(dtype)
+    for got_cache, want_cache in zip(got_caches, want_caches):
+        assert torch.equal(got_cache, want_cache)  # the rows at the slots, nothing else touched
+    ref_caches = [torch.full((4, 8, KV_HEADS, DIM), 7.0, dtype=dtype) for _ in range(2)]
+    _run(layers_reference.layer_bridge, attn, residual, angles.cos(), angles.sin(), post, pre, [*ref_caches, slots])
+    for got_cache, ref_cache in zip(got_caches, ref_caches):
+        torch.testing.assert_close(got_cache.float(), ref_cache.float(), rtol=1e-2, atol=1e-3)
+
+
 def test_thread_count_does_not_change_a_value():
     post, pre, _, gen = _weights(7, 128, False, True)
     attn, residual = torch.randn(5, HEADS * DIM, generator=gen), torch.randn(5, HIDDEN, generator=gen)
@@ -90,10 +111,14 @@ def test_bad_arguments_say_what_is_expected():
     residual = torch.randn(2, HIDDEN, generator=gen)
     with pytest.raises(RuntimeError, match="come together"):
         torch.ops.kvforge.layer_bridge(None, residual, torch.ones(2, DIM), torch.zeros(2, DIM), post, pre,
-                                       HEADS, KV_HEADS, EPS)
+                                       HEADS, KV_HEADS, EPS, [])
     with pytest.raises(RuntimeError, match="qkv must give"):
         torch.ops.kvforge.layer_bridge(None, residual, torch.ones(2, DIM), torch.zeros(2, DIM), [], pre,
-                                       HEADS + 1, KV_HEADS, EPS)
+                                       HEADS + 1, KV_HEADS, EPS, [])
+    caches = [torch.zeros(4, 8, KV_HEADS, DIM), torch.zeros(4, 8, KV_HEADS, DIM)]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.kvforge.layer_bridge(None, residual, torch.ones(2, DIM), torch.zeros(2, DIM), [], pre,
+                                       HEADS, KV_HEADS, EPS, [*caches, torch.tensor([3, 32])])
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -9,6 +9,9 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <algorithm>
 
 #include "int8_matmul.h"
@@ -106,9 +109,50 @@ void linear_share(const Linear& lin, const float* x, int64_t M, float* y, int ti
   rows_of(lin, x, &xq, M, y, lin.N, 0, r0, r1);
 }
 
+// The next layer's new K and V rows into a plain cache (fp32, fp16 or bf16 [blocks, block_size, kv_heads, dim]) at
+// their slots, converted as Tensor.to would (round to nearest even).
+struct CacheWrite {
+  at::Tensor k, v;
+  const int64_t* slots = nullptr;
+  bool active() const { return slots != nullptr; }
+};
+
+CacheWrite cache_write_of(const std::vector<at::Tensor>& parts, int64_t M, int64_t kv_heads, int64_t D) {
+  CacheWrite out;
+  if (parts.empty()) return out;
+  TORCH_CHECK(parts.size() == 3, "layer_bridge: kv_write is [k_cache, v_cache, slots] or empty");
+  out.k = parts[0];
+  out.v = parts[1];
+  const auto dtype = out.k.scalar_type();
+  TORCH_CHECK(out.k.is_contiguous() && out.v.is_contiguous() && out.k.sizes() == out.v.sizes() &&
+                  out.k.dim() == 4 && out.k.size(2) == kv_heads && out.k.size(3) == D && out.v.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16),
+              "layer_bridge: caches must be contiguous fp32/fp16/bf16 [blocks, block_size, kv_heads, dim], alike");
+  TORCH_CHECK(parts[2].scalar_type() == at::kLong && parts[2].is_contiguous() && parts[2].numel() == M,
+              "layer_bridge: one int64 slot per row");
+  out.slots = parts[2].data_ptr<int64_t>();
+  const int64_t rows = out.k.size(0) * out.k.size(1);
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(out.slots[m] >= 0 && out.slots[m] < rows, "layer_bridge: slot ", out.slots[m], " outside the cache");
+  return out;
+}
+
+template <class T>
+void put_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+void write_row(const at::Tensor& cache, int64_t row, const float* src, int64_t D) {
+  switch (cache.scalar_type()) {
+    case at::kHalf: return put_row(src, cache.data_ptr<c10::Half>() + row * D, D);
+    case at::kBFloat16: return put_row(src, cache.data_ptr<c10::BFloat16>() + row * D, D);
+    default: std::copy_n(src, D, cache.data_ptr<float>() + row * D);
+  }
+}
+
 at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor residual, const at::Tensor& cos,
                             const at::Tensor& sin, std::vector<at::Tensor> post, std::vector<at::Tensor> pre,
-                            int64_t heads, int64_t kv_heads, double eps_in) {
+                            int64_t heads, int64_t kv_heads, double eps_in, std::vector<at::Tensor> kv_write) {
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.is_contiguous(),
               "layer_bridge: residual must be contiguous fp32 [T, hidden]");
   const int64_t M = residual.size(0), hidden = residual.size(1);
@@ -148,6 +192,7 @@ at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor
                     cos.is_contiguous() && sin.is_contiguous() && D % 2 == 0 && D <= 1024,
                 "layer_bridge: qkv must give (heads + 2 * kv_heads) * dim outputs, cos/sin [T, dim]");
   }
+  const CacheWrite cache = last ? CacheWrite() : cache_write_of(kv_write, M, kv_heads, D);
   at::Tensor out = at::empty({M, last ? hidden : qkv.N}, residual.options());
   at::Tensor scratch = at::empty({M * (3 * hidden + 3 * inter)}, residual.options());
   float* res = residual.data_ptr<float>();
@@ -186,12 +231,19 @@ at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor
 #pragma omp barrier
       linear_share(qkv, h, M, y, tid, team);
 #pragma omp barrier
+      const int64_t per_row = heads + (cache.active() ? 2 : 1) * kv_heads;  // q and k rotated, k and v written
       int64_t t0, t1;
-      share(M * (heads + kv_heads), tid, team, &t0, &t1);
+      share(M * per_row, tid, team, &t0, &t1);
       float lo[512];
       for (int64_t task = t0; task < t1; ++task) {
-        const int64_t m = task / (heads + kv_heads), head = task % (heads + kv_heads);
-        rope_row(y + m * qkv.N + head * D, cp + m * D, sp + m * D, D, lo);
+        const int64_t m = task / per_row, head = task % per_row;
+        float* row = y + m * qkv.N + head * D;
+        if (head < heads + kv_heads) rope_row(row, cp + m * D, sp + m * D, D, lo);
+        if (head >= heads && cache.active()) {
+          const bool is_k = head < heads + kv_heads;
+          const int64_t j = head - heads - (is_k ? 0 : kv_heads);
+          write_row(is_k ? cache.k : cache.v, cache.slots[m] * kv_heads + j, row, D);
+        }
       }
     }
   }
