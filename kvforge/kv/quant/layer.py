@@ -20,6 +20,7 @@ from kvforge.kv.spec import KVCacheSpec
 
 EXACT_DTYPE = torch.float16
 PARTIAL_BIAS = 1 << 48
+FAST_ROWS = 64  # writes of up to this many rows try the staged fast path (decode, speculation)
 
 
 class QuantLayerKV(QuantBlockIO, LayerKV):
@@ -51,6 +52,8 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
     # ---- write ------------------------------------------------------------------------------
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
               positions: torch.Tensor | None = None) -> None:
+        if self.stage is not None and self._append_staged(slots, k, v, positions):
+            return
         slots = slots.long()
         rows = [k.float()] + ([v.float()] if self.shapes[1:] else [])
         blocks, offs = slots // self.bs, slots % self.bs
@@ -79,6 +82,26 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
             blocks, offs, rows = blocks[rest], offs[rest], [x[rest] for x in rows]
         if len(blocks):
             self._merge(blocks, offs, rows, new)
+
+    def _append_staged(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                       positions: torch.Tensor | None) -> bool:
+        """A decode step's rows: when every row lands past the first row of a block that holds a staging entry,
+        and below no sink, store them there with a handful of ops and return True; else do nothing, return False."""
+        if not 0 < len(slots) <= FAST_ROWS:
+            return False
+        offs = [s % self.bs for s in slots.tolist()]
+        if 0 in offs or (self.sink is not None and positions is not None and min(positions.tolist()) < self.sinks):
+            return False
+        entries = self.stage.entry_of[slots.long() // self.bs].tolist()
+        if min(entries) < 0:
+            return False
+        at = torch.tensor([e * self.bs + o for e, o in zip(entries, offs)], device=slots.device)
+        for s, x in zip(self.stage_rows, (k, v)):
+            s.view(-1, *s.shape[2:]).index_copy_(0, at, x.float().to(EXACT_DTYPE))
+        full = [e for e, o in zip(entries, offs) if o == self.bs - 1]
+        if full:
+            self.stage_full[torch.tensor(full, device=slots.device)] = True
+        return True
 
     def _claim_stage(self, blocks: torch.Tensor) -> Claim:
         """Give blocks empty staging entries (full blocks first, then partial ones are flushed to make room)."""
