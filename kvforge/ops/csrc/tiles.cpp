@@ -218,6 +218,22 @@ void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) co
   }
   const uint32_t d = static_cast<uint32_t>(dim);
   const int shift = (dim & (dim - 1)) == 0 ? __builtin_ctzll(dim) : -1;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (!index32 && shift >= 0) {  // 16 outliers at a time: their tile offsets gathered, their values scattered
+    const int16_t* index = reinterpret_cast<const int16_t*>(out_index) + b * n_out;
+    const uint16_t* value = reinterpret_cast<const uint16_t*>(out_value) + b * n_out;
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    const __m512i channel = _mm512_set1_epi32(dim - 1);
+    for (int64_t i = 0; i < n_out; i += 16) {
+      const __mmask16 m = n_out - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n_out - i)) - 1);
+      const __m512i flat = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(m, index + i));
+      const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, value + i));
+      const __m512i row = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, _mm512_srl_epi32(flat, count), offset, 4);
+      _mm512_mask_i32scatter_ps(out, m, _mm512_add_epi32(row, _mm512_and_si512(flat, channel)), v, 4);
+    }
+    return;
+  }
+#endif
   float values[256];
   for (int64_t i0 = 0; i0 < n_out; i0 += 256) {
     const int64_t n = std::min<int64_t>(256, n_out - i0);
