@@ -85,17 +85,27 @@ inline float fp8_to_float(uint8_t b) {
 // Packed 4-bit or 2-bit codes, the lowest bits first (as packing.py packs them).
 // 16 byte codes -> out[i] = code[i] * s[i] + z[i] (written once: no narrower store is read back wider)
 inline void store_codes(__m128i codes, float* out, const float* s, const float* z) {
+#ifdef __AVX512F__
+  const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(c, _mm512_loadu_ps(s), _mm512_loadu_ps(z)));
+#else
   const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
   const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
   _mm256_storeu_ps(out, _mm256_fmadd_ps(lo, _mm256_loadu_ps(s), _mm256_loadu_ps(z)));
   _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(z + 8)));
+#endif
 }
 
 // 16 byte codes of one group -> out[i] = code[i] * s + z
 inline void store_group_codes(__m128i codes, float* out, float s, float z) {
+#ifdef __AVX512F__
+  const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(c, _mm512_set1_ps(s), _mm512_set1_ps(z)));
+#else
   const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
   _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), vs, vz));
   _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))), vs, vz));
+#endif
 }
 
 // Packed codes, 16 source bytes at a time, as 16 byte codes each: emit(codes, index of the first code);
