@@ -236,3 +236,17 @@ def test_decode_rows_into_staged_blocks_store_what_the_general_write_stores(name
         lens = [n + 1 for n in lens]
     assert sum(taken) > 40 and not all(taken)
     assert all(torch.equal(a, b) for a, b in zip(fast.tensors(), slow.tensors()))
+
+
+@pytest.mark.parametrize("name,opts", [("int8", {}), ("fp8_e5m2", {}),
+                                       ("int4", {"key_axis": "token", "window": 0, "sinks": 0})])
+def test_direct_writes_store_each_sides_own_codes(name, opts):
+    """K and V encoded together (one call) store exactly what each side's codec makes of it alone."""
+    layer = get_format(name, **opts).allocate(SPEC, 4, BS, torch.device("cpu"))
+    assert layer.direct and layer.same_codec
+    slots = torch.tensor([3, 17, 40, 41, 63])
+    k, v = torch.randn(5, 3, 64) * 3, torch.randn(5, 3, 64)
+    layer.write(slots, k, v)
+    for codec, parts, x in zip(layer.codecs, layer.parts, (k, v)):
+        for part, want in zip(parts, codec.encode(x.unsqueeze(0))):
+            assert torch.equal(part.view(-1, *part.shape[2:])[slots], want[0])

@@ -40,6 +40,9 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
         self.sink_rows = [torch.zeros(sink_entries, sinks, *hd, dtype=EXACT_DTYPE, device=device)
                           for hd in self.shapes] if sinks else []
         self.direct = self.stage is None and all(c.per_token for c in codecs if c is not None)
+        k, v = codecs
+        self.same_codec = len(self.shapes) == 2 and self.shapes[0] == self.shapes[1] and \
+            type(k) is type(v) and vars(k) == vars(v)
 
     def tensors(self) -> list[torch.Tensor]:
         out = [t for ps in self.parts for t in ps] + self.stage_rows + self.sink_rows
@@ -56,6 +59,9 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
             return
         slots = slots.long()
         rows = [k.float()] + ([v.float()] if self.shapes[1:] else [])
+        if self.direct and self.sink is None:  # rows are independent and nothing else holds them
+            self._store_direct(slots, rows)
+            return
         blocks, offs = slots // self.bs, slots % self.bs
         new = blocks[offs == 0]
         if self.sink is not None:
@@ -64,11 +70,20 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
                 self._store_sinks(blocks, offs, positions.long().to(slots.device), rows)
         self._store(blocks, offs, rows, new)
 
+    def _store_direct(self, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        if self.same_codec:  # one encode of K and V side by side (every parameter is per row and head)
+            heads = self.shapes[0][0]
+            for pk, pv, e in zip(*self.parts, self.codecs[0].encode(torch.cat(rows, 1).unsqueeze(0))):
+                pk.view(-1, *pk.shape[2:])[slots] = e[0, :, :heads]
+                pv.view(-1, *pv.shape[2:])[slots] = e[0, :, heads:]
+            return
+        for c, ps, x in zip(self.codecs, self.parts, rows):
+            for p, e in zip(ps, c.encode(x.unsqueeze(0))):
+                p.view(-1, *p.shape[2:])[slots] = e[0]
+
     def _store(self, blocks: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor], new: torch.Tensor) -> None:
         if self.direct:
-            for c, ps, x in zip(self.codecs, self.parts, rows):
-                for p, e in zip(ps, c.encode(x.unsqueeze(0))):
-                    p.view(-1, *p.shape[2:])[blocks * self.bs + offs] = e[0]
+            self._store_direct(blocks * self.bs + offs, rows)
             return
         if self.stage is not None:
             self.stage.release(new)
