@@ -8,11 +8,11 @@ path (random K/V rows, so no prefill is needed: attention reads the same bytes w
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from kvforge.bench.progress import Progress
+from kvforge.bench.timing import Clock, Span
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.sequence import SequenceStatus
@@ -57,32 +57,37 @@ def decode_engine(loaded, dtype: str, context: int, batch: int, tokens: int, blo
     return engine
 
 
-def timed_steps(engine: LLMEngine, steps: int) -> float:
-    start = time.perf_counter()
+def timed_steps(engine: LLMEngine, steps: int) -> Span:
+    clock = Clock()
     for _ in range(steps):
         engine.step()
-    return time.perf_counter() - start
+    return clock.split()
 
 
 def decode_speeds(loaded, specs: dict[str, tuple[str, dict]], context: int, batch: int, steps: int, rounds: int,
-                  block_size: int, progress: bool = False) -> tuple[dict[str, float], dict[str, float]]:
-    """Median decode tok/s per format and median per-round slowdown vs fp32.
+                  block_size: int, progress: bool = False) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Median decode tok/s per format, median per-round slowdown vs fp32 in wall time and in this thread's CPU time.
 
-    Every round times each format once, fp32 first, so a noisy machine slows both sides of a ratio alike.
+    Every round times each format once, fp32 first, so a noisy machine slows both sides of a ratio alike (the CPU
+    time ratio is the steadier one where other processes share the cores).
     """
     engines = {"fp32": decode_engine(loaded, "fp32", context, batch, steps * rounds, block_size)}
     engines.update({label: decode_engine(loaded, name, context, batch, steps * rounds, block_size, opts)
                     for label, (name, opts) in specs.items()})
-    seconds: dict[str, list[float]] = {label: [] for label in engines}
+    spans: dict[str, list[Span]] = {label: [] for label in engines}
     bar = Progress("decode timing (format x round)", rounds * len(engines), progress)
     for _ in range(rounds):
         for label, engine in engines.items():
-            seconds[label].append(timed_steps(engine, steps))
+            spans[label].append(timed_steps(engine, steps))
             bar.update()
     bar.close()
-    tok_s = {label: statistics.median(batch * steps / t for t in ts) for label, ts in seconds.items()}
-    slowdown = {label: statistics.median(1 - f / t for f, t in zip(seconds["fp32"], ts)) for label, ts in seconds.items()}
-    return tok_s, slowdown
+    tok_s = {label: statistics.median(batch * steps / t.wall for t in ts) for label, ts in spans.items()}
+
+    def slowdown(of: str) -> dict[str, float]:
+        base = [getattr(t, of) for t in spans["fp32"]]
+        return {label: statistics.median(1 - f / getattr(t, of) for f, t in zip(base, ts)) for label, ts in spans.items()}
+
+    return tok_s, slowdown("wall"), slowdown("cpu")
 
 
 def perplexities(loaded, specs: dict[str, tuple[str, dict]], ids: list[int],
@@ -103,7 +108,7 @@ def kv_formats_bench(loaded, formats: list[str] | None = None, budget: int = 1 <
     spec = loaded.config.kv_cache_spec()
     specs = {text: parse_format_spec(text) for text in (formats or format_names())}
     base16 = sequences_that_fit(spec, get_format("fp16"), block_size, budget, seq_len)
-    tok_s, slowdown = decode_speeds(loaded, specs, seq_len, batch, steps, rounds, block_size, progress)
+    tok_s, slowdown, cpu_slowdown = decode_speeds(loaded, specs, seq_len, batch, steps, rounds, block_size, progress)
     rows = {}
     for label, (name, opts) in specs.items():
         fmt = get_format(name, **opts)
@@ -111,7 +116,8 @@ def kv_formats_bench(loaded, formats: list[str] | None = None, budget: int = 1 <
         rows[label] = {"bytes_per_token": bytes_per_token(spec, fmt, block_size),
                        "side_bytes_per_seq": side_bytes(spec, fmt, block_size, 1),
                        "sequences_fit": fit, "capacity_ratio_vs_fp16": fit / base16,
-                       "decode_tok_s": tok_s[label], "decode_slowdown_vs_fp32": slowdown[label]}
+                       "decode_tok_s": tok_s[label], "decode_slowdown_vs_fp32": slowdown[label],
+                       "decode_cpu_slowdown_vs_fp32": cpu_slowdown[label]}
     result = {"budget_bytes": budget, "seq_len": seq_len, "batch": batch, "decode_steps": steps, "rounds": rounds,
               "threads": torch.get_num_threads(), "fp16_sequences_fit": base16, "fp32_decode_tok_s": tok_s["fp32"],
               "formats": rows}

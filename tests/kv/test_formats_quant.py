@@ -200,3 +200,53 @@ def test_mla_latent_without_values():
         layer.write(torch.arange(40), x, None, positions=torch.arange(40))
         gk, gv = layer.gather(torch.arange(3))
         assert gv is None and rel(gk[:40], x) < REL[name]
+
+
+@pytest.mark.parametrize("name,opts,spec", [
+    ("int4", {}, SPEC), ("kivi2", {}, SPEC), ("kivi2", {"sinks": 0, "window": 0}, SPEC),
+    ("int8", {"window": 16, "sinks": 2}, SPEC),
+    ("int4", {}, KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=64, v_head_dim=0))])
+def test_decode_rows_into_staged_blocks_store_what_the_general_write_stores(name, opts, spec):
+    """Writes of one row per sequence take the staged fast path; every storage tensor ends as the general path's."""
+    fmt = get_format(name, **opts)
+    fast, slow = (fmt.allocate(spec, 24, BS, torch.device("cpu"), max_num_seqs=2) for _ in range(2))
+    slow._append_staged = lambda *args: False
+    taken = []
+    append = fast._append_staged
+    fast._append_staged = lambda *args: taken.append(append(*args)) or taken[-1]
+    tables = [list(range(0, 24, 2)), list(range(1, 24, 2))]  # interleaved blocks of two sequences
+    gen = torch.Generator().manual_seed(3)
+    lens = [21, 7]
+
+    def slot(s, pos):
+        return tables[s][pos // BS] * BS + pos % BS
+
+    def rows(n):
+        k = torch.randn(n, spec.num_kv_heads, spec.head_dim, generator=gen)
+        return k, torch.randn(n, spec.num_kv_heads, spec.v_head_dim, generator=gen) if spec.has_values else None
+
+    for s, n in enumerate(lens):
+        slots, (k, v) = torch.tensor([slot(s, p) for p in range(n)]), rows(n)
+        for layer in (fast, slow):
+            layer.write(slots, k, v, positions=torch.arange(n))
+    for _ in range(60):
+        slots, (k, v) = torch.tensor([slot(s, n) for s, n in enumerate(lens)]), rows(2)
+        for layer in (fast, slow):
+            layer.write(slots, k, v, positions=torch.tensor(lens))
+        lens = [n + 1 for n in lens]
+    assert sum(taken) > 40 and not all(taken)
+    assert all(torch.equal(a, b) for a, b in zip(fast.tensors(), slow.tensors()))
+
+
+@pytest.mark.parametrize("name,opts", [("int8", {}), ("fp8_e5m2", {}),
+                                       ("int4", {"key_axis": "token", "window": 0, "sinks": 0})])
+def test_direct_writes_store_each_sides_own_codes(name, opts):
+    """K and V encoded together (one call) store exactly what each side's codec makes of it alone."""
+    layer = get_format(name, **opts).allocate(SPEC, 4, BS, torch.device("cpu"))
+    assert layer.direct and layer.same_codec
+    slots = torch.tensor([3, 17, 40, 41, 63])
+    k, v = torch.randn(5, 3, 64) * 3, torch.randn(5, 3, 64)
+    layer.write(slots, k, v)
+    for codec, parts, x in zip(layer.codecs, layer.parts, (k, v)):
+        for part, want in zip(parts, codec.encode(x.unsqueeze(0))):
+            assert torch.equal(part.view(-1, *part.shape[2:])[slots], want[0])

@@ -20,6 +20,7 @@ from kvforge.kv.spec import KVCacheSpec
 
 EXACT_DTYPE = torch.float16
 PARTIAL_BIAS = 1 << 48
+FAST_ROWS = 64  # writes of up to this many rows try the staged fast path (decode, speculation)
 
 
 class QuantLayerKV(QuantBlockIO, LayerKV):
@@ -39,6 +40,9 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
         self.sink_rows = [torch.zeros(sink_entries, sinks, *hd, dtype=EXACT_DTYPE, device=device)
                           for hd in self.shapes] if sinks else []
         self.direct = self.stage is None and all(c.per_token for c in codecs if c is not None)
+        k, v = codecs
+        self.same_codec = len(self.shapes) == 2 and self.shapes[0] == self.shapes[1] and \
+            type(k) is type(v) and vars(k) == vars(v)
 
     def tensors(self) -> list[torch.Tensor]:
         out = [t for ps in self.parts for t in ps] + self.stage_rows + self.sink_rows
@@ -51,8 +55,13 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
     # ---- write ------------------------------------------------------------------------------
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
               positions: torch.Tensor | None = None) -> None:
+        if self.stage is not None and self._append_staged(slots, k, v, positions):
+            return
         slots = slots.long()
         rows = [k.float()] + ([v.float()] if self.shapes[1:] else [])
+        if self.direct and self.sink is None:  # rows are independent and nothing else holds them
+            self._store_direct(slots, rows)
+            return
         blocks, offs = slots // self.bs, slots % self.bs
         new = blocks[offs == 0]
         if self.sink is not None:
@@ -61,11 +70,20 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
                 self._store_sinks(blocks, offs, positions.long().to(slots.device), rows)
         self._store(blocks, offs, rows, new)
 
+    def _store_direct(self, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        if self.same_codec:  # one encode of K and V side by side (every parameter is per row and head)
+            heads = self.shapes[0][0]
+            for pk, pv, e in zip(*self.parts, self.codecs[0].encode(torch.cat(rows, 1).unsqueeze(0))):
+                pk.view(-1, *pk.shape[2:])[slots] = e[0, :, :heads]
+                pv.view(-1, *pv.shape[2:])[slots] = e[0, :, heads:]
+            return
+        for c, ps, x in zip(self.codecs, self.parts, rows):
+            for p, e in zip(ps, c.encode(x.unsqueeze(0))):
+                p.view(-1, *p.shape[2:])[slots] = e[0]
+
     def _store(self, blocks: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor], new: torch.Tensor) -> None:
         if self.direct:
-            for c, ps, x in zip(self.codecs, self.parts, rows):
-                for p, e in zip(ps, c.encode(x.unsqueeze(0))):
-                    p.view(-1, *p.shape[2:])[blocks * self.bs + offs] = e[0]
+            self._store_direct(blocks * self.bs + offs, rows)
             return
         if self.stage is not None:
             self.stage.release(new)
@@ -79,6 +97,26 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
             blocks, offs, rows = blocks[rest], offs[rest], [x[rest] for x in rows]
         if len(blocks):
             self._merge(blocks, offs, rows, new)
+
+    def _append_staged(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                       positions: torch.Tensor | None) -> bool:
+        """A decode step's rows: when every row lands past the first row of a block that holds a staging entry,
+        and below no sink, store them there with a handful of ops and return True; else do nothing, return False."""
+        if not 0 < len(slots) <= FAST_ROWS:
+            return False
+        offs = [s % self.bs for s in slots.tolist()]
+        if 0 in offs or (self.sink is not None and positions is not None and min(positions.tolist()) < self.sinks):
+            return False
+        entries = self.stage.entry_of[slots.long() // self.bs].tolist()
+        if min(entries) < 0:
+            return False
+        at = torch.tensor([e * self.bs + o for e, o in zip(entries, offs)], device=slots.device)
+        for s, x in zip(self.stage_rows, (k, v)):
+            s.view(-1, *s.shape[2:]).index_copy_(0, at, x.float().to(EXACT_DTYPE))
+        full = [e for e, o in zip(entries, offs) if o == self.bs - 1]
+        if full:
+            self.stage_full[torch.tensor(full, device=slots.device)] = True
+        return True
 
     def _claim_stage(self, blocks: torch.Tensor) -> Claim:
         """Give blocks empty staging entries (full blocks first, then partial ones are flushed to make room)."""

@@ -153,6 +153,25 @@ void Side::uniform_rows_of(int64_t b, int64_t h, int64_t r0, int64_t r1, float* 
   TORCH_CHECK(dim <= 512, "paged_decode: uniform codes need head_dim <= 512");
   if (kind == UNIFORM_TOKEN) {
     const int64_t groups = dim / group;
+#ifdef __AVX2__
+    if constexpr (BITS == 2 || BITS == 4) {
+      if (group % 16 == 0 && rb % 16 == 0) {  // whole 16-code chunks per group: its scale and zero broadcast
+        float gs[32], gz[32];
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t row = (b * bs + r) * heads + h;
+          for (int64_t j = 0; j < groups; ++j) {
+            gs[j] = scale_coded ? table[scale[row * groups + j]] : half_at(scale, row * groups + j);
+            gz[j] = half_at(zero, row * groups + j);
+          }
+          float* o = out + r * dim;
+          unpack_chunks<BITS>(data + row * rb, rb, [&](__m128i codes, int64_t e) {
+            store_group_codes(codes, o + e, gs[e / group], gz[e / group]);
+          });
+        }
+        return;
+      }
+    }
+#endif
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t row = (b * bs + r) * heads + h;
       for (int64_t j = 0; j < groups; ++j) {
@@ -185,20 +204,47 @@ void Side::uniform_rows_of(int64_t b, int64_t h, int64_t r0, int64_t r1, float* 
 
 void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
   // flat index = (row * heads + head) * dim + channel. Values of other heads' rows and of rows outside
-  // [r0, r1) land in the spill row past the tile, so the loop has no branch to mispredict.
-  int32_t offset[1024];
+  // [r0, r1) land in the spill row past the tile, so the loop has no branch to mispredict. The row offsets
+  // depend on the head and row range only: kept per thread while they stay the same.
+  thread_local int32_t offset[1024];
+  thread_local int64_t made_for[6] = {-1, -1, -1, -1, -1, -1};
   TORCH_CHECK(bs * heads <= 1024, "paged_decode: outliers need block_size * kv_heads <= 1024");
-  for (int64_t r = 0; r < bs; ++r)
-    for (int64_t hh = 0; hh < heads; ++hh)
-      offset[r * heads + hh] = static_cast<int32_t>((hh == h && r >= r0 && r < r1 ? r : bs) * dim);
+  const int64_t key[6] = {h, r0, r1, bs, heads, dim};
+  if (!std::equal(key, key + 6, made_for)) {
+    for (int64_t r = 0; r < bs; ++r)
+      for (int64_t hh = 0; hh < heads; ++hh)
+        offset[r * heads + hh] = static_cast<int32_t>((hh == h && r >= r0 && r < r1 ? r : bs) * dim);
+    std::copy_n(key, 6, made_for);
+  }
   const uint32_t d = static_cast<uint32_t>(dim);
   const int shift = (dim & (dim - 1)) == 0 ? __builtin_ctzll(dim) : -1;
-  for (int64_t i = 0; i < n_out; ++i) {
-    const int64_t at = b * n_out + i;
-    const uint32_t flat = index32 ? reinterpret_cast<const int32_t*>(out_index)[at]
-                                  : reinterpret_cast<const int16_t*>(out_index)[at];
-    const uint32_t rh = shift >= 0 ? flat >> shift : flat / d;
-    out[offset[rh] + (flat - rh * d)] = static_cast<float>(out_value[at]);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (!index32 && shift >= 0) {  // 16 outliers at a time: their tile offsets gathered, their values scattered
+    const int16_t* index = reinterpret_cast<const int16_t*>(out_index) + b * n_out;
+    const uint16_t* value = reinterpret_cast<const uint16_t*>(out_value) + b * n_out;
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    const __m512i channel = _mm512_set1_epi32(dim - 1);
+    for (int64_t i = 0; i < n_out; i += 16) {
+      const __mmask16 m = n_out - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n_out - i)) - 1);
+      const __m512i flat = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(m, index + i));
+      const __m512 v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, value + i));
+      const __m512i row = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, _mm512_srl_epi32(flat, count), offset, 4);
+      _mm512_mask_i32scatter_ps(out, m, _mm512_add_epi32(row, _mm512_and_si512(flat, channel)), v, 4);
+    }
+    return;
+  }
+#endif
+  float values[256];
+  for (int64_t i0 = 0; i0 < n_out; i0 += 256) {
+    const int64_t n = std::min<int64_t>(256, n_out - i0);
+    half_to_float(reinterpret_cast<const uint16_t*>(out_value + b * n_out + i0), values, n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t at = b * n_out + i0 + i;
+      const uint32_t flat = index32 ? reinterpret_cast<const int32_t*>(out_index)[at]
+                                    : reinterpret_cast<const int16_t*>(out_index)[at];
+      const uint32_t rh = shift >= 0 ? flat >> shift : flat / d;
+      out[offset[rh] + (flat - rh * d)] = values[i];
+    }
   }
 }
 

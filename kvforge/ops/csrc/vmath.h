@@ -85,35 +85,59 @@ inline float fp8_to_float(uint8_t b) {
 // Packed 4-bit or 2-bit codes, the lowest bits first (as packing.py packs them).
 // 16 byte codes -> out[i] = code[i] * s[i] + z[i] (written once: no narrower store is read back wider)
 inline void store_codes(__m128i codes, float* out, const float* s, const float* z) {
+#ifdef __AVX512F__
+  const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(c, _mm512_loadu_ps(s), _mm512_loadu_ps(z)));
+#else
   const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
   const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
   _mm256_storeu_ps(out, _mm256_fmadd_ps(lo, _mm256_loadu_ps(s), _mm256_loadu_ps(z)));
   _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(z + 8)));
+#endif
 }
 
-// Packed codes -> code * s + z per element, 16 source bytes at a time; returns the bytes done.
-template <int BITS>
-inline int64_t unpack_simd(const uint8_t* src, int64_t nbytes, float* out, const float* s, const float* z) {
+// 16 byte codes of one group -> out[i] = code[i] * s + z
+inline void store_group_codes(__m128i codes, float* out, float s, float z) {
+#ifdef __AVX512F__
+  const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(c, _mm512_set1_ps(s), _mm512_set1_ps(z)));
+#else
+  const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+  _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), vs, vz));
+  _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8))), vs, vz));
+#endif
+}
+
+// Packed codes, 16 source bytes at a time, as 16 byte codes each: emit(codes, index of the first code);
+// returns the bytes done.
+template <int BITS, class Emit>
+inline int64_t unpack_chunks(const uint8_t* src, int64_t nbytes, Emit&& emit) {
   const __m128i mask = _mm_set1_epi8((1 << BITS) - 1);
   int64_t i = 0;
   for (; i + 16 <= nbytes; i += 16) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     if constexpr (BITS == 4) {
       const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-      store_codes(_mm_unpacklo_epi8(lo, hi), out + i * 2, s + i * 2, z + i * 2);
-      store_codes(_mm_unpackhi_epi8(lo, hi), out + i * 2 + 16, s + i * 2 + 16, z + i * 2 + 16);
+      emit(_mm_unpacklo_epi8(lo, hi), i * 2);
+      emit(_mm_unpackhi_epi8(lo, hi), i * 2 + 16);
     } else {
       const __m128i c0 = _mm_and_si128(v, mask), c1 = _mm_and_si128(_mm_srli_epi16(v, 2), mask);
       const __m128i c2 = _mm_and_si128(_mm_srli_epi16(v, 4), mask), c3 = _mm_and_si128(_mm_srli_epi16(v, 6), mask);
       const __m128i t0 = _mm_unpacklo_epi8(c0, c1), t1 = _mm_unpackhi_epi8(c0, c1);
       const __m128i t2 = _mm_unpacklo_epi8(c2, c3), t3 = _mm_unpackhi_epi8(c2, c3);
-      store_codes(_mm_unpacklo_epi16(t0, t2), out + i * 4, s + i * 4, z + i * 4);
-      store_codes(_mm_unpackhi_epi16(t0, t2), out + i * 4 + 16, s + i * 4 + 16, z + i * 4 + 16);
-      store_codes(_mm_unpacklo_epi16(t1, t3), out + i * 4 + 32, s + i * 4 + 32, z + i * 4 + 32);
-      store_codes(_mm_unpackhi_epi16(t1, t3), out + i * 4 + 48, s + i * 4 + 48, z + i * 4 + 48);
+      emit(_mm_unpacklo_epi16(t0, t2), i * 4);
+      emit(_mm_unpackhi_epi16(t0, t2), i * 4 + 16);
+      emit(_mm_unpacklo_epi16(t1, t3), i * 4 + 32);
+      emit(_mm_unpackhi_epi16(t1, t3), i * 4 + 48);
     }
   }
   return i;
+}
+
+// Packed codes -> code * s + z per element; returns the bytes done.
+template <int BITS>
+inline int64_t unpack_simd(const uint8_t* src, int64_t nbytes, float* out, const float* s, const float* z) {
+  return unpack_chunks<BITS>(src, nbytes, [&](__m128i codes, int64_t e) { store_codes(codes, out + e, s + e, z + e); });
 }
 #endif
 
