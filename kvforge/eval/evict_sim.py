@@ -28,8 +28,8 @@ class SimConfig:
         head keeps its own, as the engine), "layer" (a layer's KV heads, Ada-KV: Feng et al., arXiv:2407.11550),
         "model" (every layer and head).
     floor: with sharing, each head first keeps this share of its even heavy slots (Ada-KV's safeguard).
-    pyramid: layer l's budget is scaled by 1 + pyramid * (1 - 2 l / (layers - 1)): more rows low, fewer high,
-        the same total (PyramidKV: Cai et al., arXiv:2406.02069). In [0, 1).
+    pyramid: layer l's budget is scaled by 1 + pyramid * (1 - 2 l / (layers - 1)), the same total: above 0 more
+        rows in the lower layers (PyramidKV: Cai et al., arXiv:2406.02069), below 0 more in the upper. In (-1, 1).
     query_heads: "sum" or "max" over the query heads of a KV head, as the h2o option."""
 
     budget: float | None = 0.5
@@ -47,8 +47,8 @@ class SimConfig:
             raise ConfigError(f"evict_sim: recent and floor must be in [0, 1], got {self.recent!r}, {self.floor!r}")
         if self.share not in SHARES:
             raise ConfigError(f"evict_sim: share must be one of {', '.join(SHARES)}, got {self.share!r}")
-        if not 0 <= self.pyramid < 1:
-            raise ConfigError(f"evict_sim: pyramid must be in [0, 1), got {self.pyramid!r}")
+        if not -1 < self.pyramid < 1:
+            raise ConfigError(f"evict_sim: pyramid must be in (-1, 1), got {self.pyramid!r}")
         if self.query_heads not in ("sum", "max"):
             raise ConfigError(f"evict_sim: query_heads must be 'sum' or 'max', got {self.query_heads!r}")
 

@@ -67,6 +67,7 @@ def test_select_shared_hand_computed():
 def test_pyramid_budgets_keep_the_total_and_bad_configs_are_refused():
     budgets = SimConfig(pyramid=0.5).layer_budgets(1000, 3)
     assert budgets == [750, 500, 250] and sum(budgets) == 3 * 500
-    for bad in ({"share": "block"}, {"pyramid": 1.0}, {"budget": 2}, {"query_heads": "mean"}, {"floor": 1.5}):
+    assert SimConfig(pyramid=-0.5).layer_budgets(1000, 3) == [250, 500, 750]
+    for bad in ({"share": "block"}, {"pyramid": 1.0}, {"pyramid": -1.0}, {"budget": 2}, {"query_heads": "mean"}, {"floor": 1.5}):
         with pytest.raises(ConfigError):
             SimConfig(**bad)
