@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.errors import ConfigError
+from kvforge.options import json_object
 from kvforge.rope import apply_rope
 
 SHARES = ("head", "layer", "model")
@@ -151,8 +152,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline", type=float, help="the full-cache perplexity, if known (else scored first)")
     p.add_argument("--config", action="append", default=[], help='SimConfig fields as JSON, e.g. {"share": "layer"}')
     args = p.parse_args(argv)
-    from kvforge.options import json_object
-
     loaded = load_model(None)
     ids = loaded.tokenizer.encode(load_text(args.text))[: args.max_tokens]
     base = args.baseline or math.exp(simulate(loaded.model, ids, SimConfig(budget=None)).mean().item())
