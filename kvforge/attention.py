@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kv.layer_format import LayerKV
-from kvforge.kv.policies.stats import AttentionStats, record_multi, record_prefill
+from kvforge.kv.policies.stats import AttentionStats, record_multi, record_prefill, reduce_query_heads
 from kvforge.ops import paged_attend, paged_decode
 
 DECODE_BUCKETS = 4
@@ -222,7 +222,7 @@ def _decode(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: flo
         probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
         out.append(torch.bmm(probs, v[:, :, h]).view(b, m, group, -1))
         if meta.stats:
-            per_head.append(probs.view(b, m, group, -1).sum(2))
+            per_head.append(reduce_query_heads(meta.stats, probs.view(b, m, group, -1), 2))
     if per_head:
         record_multi(meta.stats, rows, torch.stack(per_head, 1), meta.query_lens, meta.context_lens)
     return torch.stack(out, 2).reshape(b * m, q.shape[1], -1)

@@ -21,7 +21,7 @@ from torch import nn
 from kvforge.attention import AttentionMetadata, prefill_history
 from kvforge.errors import ModelLoadError
 from kvforge.kv.layer_format import LayerKV
-from kvforge.kv.policies.stats import record_decode, record_prefill
+from kvforge.kv.policies.stats import record_decode, record_prefill, reduce_query_heads
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
 from kvforge.models.layers import RMSNorm
@@ -163,7 +163,7 @@ def attend_latent(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scal
         probs = torch.softmax(scores.masked_fill_(~valid[:, None, :], float("-inf")), dim=-1)
         out[q_index] = torch.bmm(probs, rows[..., :rank])
         if meta.stats:
-            record_decode(meta.stats, seqs, probs.sum(1), meta.context_lens)
+            record_decode(meta.stats, seqs, reduce_query_heads(meta.stats, probs, 1), meta.context_lens)
     for i in meta.multi_rows + meta.prefill_rows:
         start, n = meta.query_start_loc[i], meta.query_lens[i]
         rows, _, mask = prefill_history(cache, meta, i, q.device)  # rows: [1, 1, ctx, rank + rope]

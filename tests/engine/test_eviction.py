@@ -57,8 +57,10 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
             scores = torch.einsum("qhd,khd->hqk", _rope(q, q_pos, inv_freq), k) / math.sqrt(cfg.head_dim)
             causal = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
             probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
-            attn_sum += probs.sum(0)
-            per_layer.append(probs.unflatten(0, (heads, group)).sum(1) / group)
+            by_kv_head = probs.unflatten(0, (heads, group))
+            by_kv_head = by_kv_head.amax(1) if policy.query_heads == "max" else by_kv_head.sum(1)
+            attn_sum += by_kv_head.sum(0)
+            per_layer.append(by_kv_head / by_kv_head.sum(-1, keepdim=True))
             x = x + att.o_proj(torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         out.append(model.compute_logits(model.model.norm(x)))
@@ -113,6 +115,30 @@ def test_policy_matches_naive_reference(tiny_loaded, name, options, by_cache, ch
     assert engine.kv.allocator.num_used == 0
     full = naive_logits(tiny_loaded.model, TOKENS, build_policy("full"), chunk, False)
     assert (ref[60:] - full[60:]).abs().max() > 1e-2  # eviction really changed what was attended
+
+
+@pytest.fixture(scope="module")
+def peaky_loaded(tiny_dir):
+    """The tiny model with queries scaled up: its attention is near uniform, so heads would rarely disagree."""
+    from kvforge.models.loader import load_model
+
+    loaded = load_model(tiny_dir)
+    with torch.no_grad():
+        for layer in loaded.model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+    return loaded
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 12])  # decode, multi-query and prefill paths record attention
+@pytest.mark.parametrize("name,options", [("h2o", {"budget": 24, "slack": 8, "recent": 8}),
+                                          ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "scope": "sequence"})])
+def test_query_heads_max_matches_reference(peaky_loaded, name, options, chunk):
+    options = {**options, "query_heads": "max"}
+    got = position_logits(_engine(peaky_loaded, name, options), TOKENS, chunk_size=chunk)
+    ref = naive_logits(peaky_loaded.model, TOKENS, build_policy(name, options), chunk, False)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    summed = naive_logits(peaky_loaded.model, TOKENS, build_policy(name, {**options, "query_heads": "sum"}), chunk, False)
+    assert (ref[60:] - summed[60:]).abs().max() > 1e-2  # max kept other rows than the sum
 
 
 def test_streaming_reference_detects_wrong_positions(tiny_loaded):

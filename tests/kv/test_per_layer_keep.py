@@ -5,6 +5,7 @@ import torch
 from kvforge.kv.formats import get_format
 from kvforge.kv.policies import PolicyState, SequenceView, build_policy
 from kvforge.kv.policies.base import top_with_recent
+from kvforge.kv.policies.stats import AttentionStats, record_prefill
 from kvforge.kv.spec import KVCacheSpec
 
 LAYERS, HEADS, LENGTH = 3, 2, 40
@@ -137,3 +138,24 @@ def test_per_head_move_keeps_values_exact_and_regroups_per_channel_keys_once():
     assert torch.equal(before[1][: -2 * BS], after[1][: -2 * BS])
     span = before[0].amax(0) - before[0].amin(0)
     assert bool(((before[0] - after[0]).abs() <= span / 15 + 1e-4).all())
+
+
+def _one_kv_head_of_three_query_heads(query_heads: str) -> torch.Tensor:
+    """record_prefill over 3 keys (one-hot, so head h's softmax is exp(q_h)): head 0 puts 0.9 on key 0, heads 1
+    and 2 put 0.5 / 0.45 on keys 1 / 2 (0.05 elsewhere). Returns the row H2O sees: [1, 1, 1, 3]."""
+    probs = torch.tensor([[0.9, 0.05, 0.05], [0.05, 0.5, 0.45], [0.05, 0.5, 0.45]])
+    stats = AttentionStats({0: 1}, per_layer=True, query_heads=query_heads)
+    record_prefill(stats, 0, probs.log()[None], torch.eye(3)[None, None], torch.ones(1, 3, dtype=torch.bool), 1.0)
+    return stats.layer_attention(0)[0]
+
+
+def test_query_heads_max_keeps_the_key_one_query_head_needs():
+    """Hand-computed: sum over the three heads = [1.0, 1.05, 0.95] / 3, so H2O's one heavy slot (key 2 is the
+    recent one) takes key 1; max = [0.9, 0.5, 0.45] / 1.85, so it takes key 0, which only head 0 attends."""
+    summed, maxed = _one_kv_head_of_three_query_heads("sum"), _one_kv_head_of_three_query_heads("max")
+    torch.testing.assert_close(summed[0, 0, 0], torch.tensor([1.0, 1.05, 0.95]) / 3)
+    torch.testing.assert_close(maxed[0, 0, 0], torch.tensor([0.9, 0.5, 0.45]) / 1.85)
+    for attn, kept in ((summed, [1, 2]), (maxed, [0, 2])):
+        policy, state = build_policy("h2o", {"budget": 2, "recent": 1, "slack": 0}), PolicyState()
+        policy.observe(state, attn)
+        assert policy.keep(SequenceView(3, 3, 0, state))[0, 0].tolist() == kept

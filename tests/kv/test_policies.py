@@ -126,6 +126,8 @@ def test_top_with_recent_is_sorted_unique_and_has_recent(length, budget, num_rec
                                           ("scissorhands", {"budget": 4, "weight": "value", "scope": "sequence"}),
                                           ("scissorhands", {"budget": 4, "weight": 1}),
                                           ("h2o", {"budget": 4, "pool": 2}), ("h2o", {"budget": 4, "pool": 0}),
+                                          ("h2o", {"budget": 4, "query_heads": "mean"}),
+                                          ("scissorhands", {"budget": 4, "query_heads": 3}),
                                           ("window", {"budget": 1.5}),
                                           ("snapkv", {"budget": 8, "kernel": 4}), ("window", {"budget": 8, "bogus": 1})])
 def test_bad_options_are_config_errors(name, options):

@@ -120,6 +120,11 @@ class KVPolicy:
         return False
 
     @property
+    def query_heads(self) -> str:
+        """How the attention of the query heads sharing a KV head combines before the policy sees it: sum or max."""
+        return "sum"
+
+    @property
     def per_layer(self) -> bool:
         return self.scope != "sequence"
 
@@ -173,6 +178,12 @@ class FullPolicy(KVPolicy):
 
 
 WEIGHTS = ("attention", "value")
+QUERY_HEADS = ("sum", "max")
+
+
+def check_query_heads(policy: KVPolicy, query_heads: str) -> None:
+    if query_heads not in QUERY_HEADS:
+        raise ConfigError(f"{policy.name}: query_heads must be one of {', '.join(QUERY_HEADS)}, got {query_heads!r}")
 
 
 def check_weight(policy: KVPolicy, weight: str) -> None:

@@ -46,10 +46,10 @@ class Evictor:
         if not rows:
             return None
         if not self.policy.per_layer:
-            return AttentionStats(rows)
+            return AttentionStats(rows, query_heads=self.policy.query_heads)
         # queries that are not drafts are never rolled back: a policy that only sums queries sums them at once
         settled = {i: max(0, r - len(seqs[i].draft_token_ids)) for i, r in rows.items()} if self.policy.sums_queries else {}
-        return AttentionStats(rows, per_layer=True, settled=settled)
+        return AttentionStats(rows, per_layer=True, settled=settled, query_heads=self.policy.query_heads)
 
     def after_step(self, seqs, stats: AttentionStats | None, rejected: dict[str, int] | None = None) -> None:
         """Feed the step's attention to each sequence's state (rows and keys of rejected drafts left out),

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.errors import ConfigError
-from kvforge.kv.policies.base import KVPolicy, PolicyState, check_weight, top_with_recent
+from kvforge.kv.policies.base import KVPolicy, PolicyState, check_query_heads, check_weight, top_with_recent
 
 
 @dataclass
@@ -31,6 +31,9 @@ class H2OPolicy(KVPolicy):
         value is near zero (an attention sink) adds little to the output. Needs scope "head".
     pool: an odd window; each row's score becomes the largest within pool // 2 cache indices of it (SnapKV's
         pooling, applied at every compaction), so the neighbours of a heavy hitter stay with it (1: off).
+    query_heads: how the query heads sharing a KV head (GQA) combine: "sum" (their softmax rows added, the
+        paper) or "max" (each key's largest probability over them: a key that one query head needs keeps its
+        weight even when the group's other heads ignore it). Each query's combined row is normalized to sum 1.
     """
 
     name = "h2o"
@@ -44,9 +47,11 @@ class H2OPolicy(KVPolicy):
     decay: float = 1.0
     weight: str = "attention"
     pool: int = 1
+    query_heads: str = "sum"
 
     def __post_init__(self):
         super().__post_init__()
+        check_query_heads(self, self.query_heads)
         if self.score not in ("sum", "mean"):
             raise ConfigError(f"h2o: score must be 'sum' or 'mean', got {self.score!r}")
         if not isinstance(self.decay, (int, float)) or not 0 < self.decay <= 1:

@@ -5,7 +5,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView, check_weight, top_with_recent
+from kvforge.kv.policies.base import (
+    KVPolicy,
+    PolicyState,
+    SequenceView,
+    check_query_heads,
+    check_weight,
+    top_with_recent,
+)
 
 
 @dataclass
@@ -22,6 +29,8 @@ class ScissorhandsPolicy(KVPolicy):
     weight: "attention" (the paper) or "value": a token is important to a query when its attention times the
         L1 norm of its value row exceeds the uniform share of that query's sum of such products (after VATP,
         arXiv:2406.12335: a sink with a near-zero value adds little to the output). Needs scope "head".
+    query_heads: "sum" (the query heads sharing a KV head add their attention) or "max" (each key's largest
+        probability over them), as for h2o; each combined row is normalized to sum 1 before it is compared.
     """
 
     name = "scissorhands"
@@ -32,9 +41,11 @@ class ScissorhandsPolicy(KVPolicy):
     sinks: int = 0
     scope: str = "head"
     weight: str = "attention"
+    query_heads: str = "sum"
 
     def __post_init__(self):
         super().__post_init__()
+        check_query_heads(self, self.query_heads)
         check_weight(self, self.weight)
 
     @property

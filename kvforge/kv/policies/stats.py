@@ -8,6 +8,8 @@ get their last k rows recomputed explicitly.
 
 - Sequence scope (`per_layer` False): `sums[row]` adds every layer and head up, [k, context_len].
 - Per-layer scope: `layers[row]` keeps one entry per layer, each (KV head, query) row normalized to sum 1.
+- `query_heads`: how the query heads of one KV head combine: "sum" (their softmax rows added) or "max"
+  (each key's largest probability over them, so a key one head needs is not outvoted by the others).
   The first `settled[row]` queries of a row (never rolled back: they are not drafts) are summed as they
   arrive, so a long prefill chunk costs [kv_heads, context_len] per layer; the others stay one by one.
 """
@@ -22,6 +24,7 @@ import torch
 class AttentionStats:
     rows: dict[int, int]  # batch row -> trailing queries whose attention a KV policy wants
     per_layer: bool = False
+    query_heads: str = "sum"  # "sum" or "max" over the query heads of a KV head (see reduce_query_heads)
     settled: dict[int, int] = field(default_factory=dict)  # row -> leading queries summed on arrival (per layer)
     sums: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [k, context_len] (sequence scope)
     layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
@@ -57,8 +60,13 @@ class AttentionStats:
         return attn, num_summed + max(0, num_each)
 
 
+def reduce_query_heads(stats: AttentionStats, probs: torch.Tensor, dim: int) -> torch.Tensor:
+    """probs with the query heads of each KV head along `dim` -> summed or max-reduced over them."""
+    return probs.amax(dim) if stats.query_heads == "max" else probs.sum(dim)
+
+
 def record_decode(stats: AttentionStats, rows: list[int], probs_sum: torch.Tensor, context_lens: list[int]) -> None:
-    """probs_sum: [len(rows), padded keys], the decode softmax of those rows summed over one layer's heads
+    """probs_sum: [len(rows), padded keys], the decode softmax of those rows reduced over one layer's heads
     (MLA: one latent KV head)."""
     for r, i in enumerate(rows):
         if stats.rows.get(i):
@@ -67,7 +75,7 @@ def record_decode(stats: AttentionStats, rows: list[int], probs_sum: torch.Tenso
 
 def record_multi(stats: AttentionStats, rows: list[int], probs: torch.Tensor, query_lens: list[int],
                  context_lens: list[int]) -> None:
-    """probs: [len(rows), kv_heads, M, padded keys] for rows of a few queries each, query heads summed per KV head."""
+    """probs: [len(rows), kv_heads, M, padded keys] for rows of a few queries each, query heads reduced per KV head."""
     for r, i in enumerate(rows):
         k = stats.rows.get(i, 0)
         if k:
@@ -86,4 +94,4 @@ def record_prefill(stats: AttentionStats, row: int, q: torch.Tensor, k: torch.Te
     kk = k[0].float().repeat_interleave(q.shape[1] // kv_heads, dim=0)  # [heads, ctx, d]
     scores = torch.einsum("rhd,hcd->hrc", qt, kk) * scale
     probs = torch.softmax(scores.masked_fill(~mask[-rows:], float("-inf")), dim=-1)
-    stats.add(row, probs.unflatten(0, (kv_heads, -1)).sum(1))
+    stats.add(row, reduce_query_heads(stats, probs.unflatten(0, (kv_heads, -1)), 1))
