@@ -35,7 +35,7 @@ def test_a_decode_step_runs_each_layer_as_a_few_fused_operators(tiny_loaded, mon
     assert ops["aten.index"] == 2  # per step, not per layer: the sampled rows of hidden states and of logits
 
 
-def test_through_the_bridge_a_layer_is_its_kv_write_attention_and_one_bridge_call(tiny_loaded, monkeypatch):
+def test_through_the_bridge_a_layer_is_one_bridge_call_and_one_attention(tiny_loaded, monkeypatch):
     if not serves(torch.zeros(1, 8)):
         pytest.skip("no compiled layer bridge on this machine")
     layers = tiny_loaded.config.num_layers
@@ -43,8 +43,8 @@ def test_through_the_bridge_a_layer_is_its_kv_write_attention_and_one_bridge_cal
     monkeypatch.setattr(LlamaForCausalLM, "use_bridge", False)
     per_op = decode_step_ops(decode_engine(tiny_loaded, "fp32", 20, 3, 8, 16))
     assert ops["kvforge.layer_bridge"] == layers + 1  # before the first attention, then after each
-    assert ops["kvforge.paged_decode"] == layers and ops["aten.index_put_"] == 2 * layers  # K and V writes
+    assert ops["kvforge.paged_decode"] == layers and "aten.index_put_" not in ops  # the bridge stores K and V
     assert ops["kvforge.small_linear"] == 1  # the LM head
     for fused in ("kvforge.rms_norm", "kvforge.add_rms_norm_", "kvforge.rope_", "kvforge.silu_mul"):
         assert fused not in ops
-    assert sum(per_op.values()) - sum(ops.values()) >= 8 * layers  # of about 23 a layer, 15 left
+    assert sum(per_op.values()) - sum(ops.values()) >= 10 * layers  # of about 23 a layer, about 10 left
