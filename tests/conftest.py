@@ -45,3 +45,16 @@ def tiny_loaded(tiny_dir):
     from kvforge.models.loader import load_model
 
     return load_model(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def peaky_loaded(tiny_dir):
+    """The tiny model with queries scaled up: its attention is near uniform, so heads would rarely disagree and
+    eviction scores would rarely separate."""
+    from kvforge.models.loader import load_model
+
+    loaded = load_model(tiny_dir)
+    with torch.no_grad():
+        for layer in loaded.model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+    return loaded

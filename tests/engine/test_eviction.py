@@ -117,18 +117,6 @@ def test_policy_matches_naive_reference(tiny_loaded, name, options, by_cache, ch
     assert (ref[60:] - full[60:]).abs().max() > 1e-2  # eviction really changed what was attended
 
 
-@pytest.fixture(scope="module")
-def peaky_loaded(tiny_dir):
-    """The tiny model with queries scaled up: its attention is near uniform, so heads would rarely disagree."""
-    from kvforge.models.loader import load_model
-
-    loaded = load_model(tiny_dir)
-    with torch.no_grad():
-        for layer in loaded.model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(30.0)
-    return loaded
-
-
 @pytest.mark.parametrize("chunk", [1, 7, 12])  # decode, multi-query and prefill paths record attention
 @pytest.mark.parametrize("name,options", [("h2o", {"budget": 24, "slack": 8, "recent": 8}),
                                           ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "scope": "sequence"})])

@@ -14,18 +14,6 @@ from kvforge.eval.evict_sim import SimConfig, select_shared, simulate
 TOKENS = [int(t) for t in torch.randint(1, 90, (150,), generator=torch.Generator().manual_seed(3))]
 
 
-@pytest.fixture(scope="module")
-def peaky_loaded(tiny_dir):
-    """The tiny model with queries scaled up, so attention is far from uniform and heads disagree."""
-    from kvforge.models.loader import load_model
-
-    loaded = load_model(tiny_dir)
-    with torch.no_grad():
-        for layer in loaded.model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(30.0)
-    return loaded
-
-
 def _engine_nll(loaded, options: dict, chunk: int) -> torch.Tensor:
     engine = LLMEngine(EngineConfig(kv_cache_memory=4_000_000, block_size=8, enable_prefix_caching=False,
                                     kv_policy="h2o", kv_policy_options=options), loaded)
