@@ -60,6 +60,12 @@ Linear linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor&
   return lin;
 }
 
+const float* norm_of(const at::Tensor& w, int64_t hidden, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == hidden,
+              "layer_bridge: ", name, " weight must be contiguous fp32 with hidden (", hidden, ") elements");
+  return w.data_ptr<float>();
+}
+
 // This thread's share [lo, hi) of n units.
 inline void share(int64_t n, int tid, int nt, int64_t* lo, int64_t* hi) {
   *lo = n * tid / nt;
@@ -172,8 +178,8 @@ at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor
     TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2 && a.size(0) == M,
                 "layer_bridge: attention output must be fp32 [T, heads * dim]");
     o = linear_of(post[0], post[1], post[2], a.size(1), "o_proj");
-    TORCH_CHECK(o.N == hidden && post[3].numel() == hidden, "layer_bridge: o_proj and norm must give hidden");
-    ln2 = post[3].data_ptr<float>();
+    TORCH_CHECK(o.N == hidden, "layer_bridge: o_proj must give hidden outputs");
+    ln2 = norm_of(post[3], hidden, "post-attention norm");
     gate_up = linear_of(post[4], post[5], at::Tensor(), hidden, "gate_up");
     inter = gate_up.N / 2;
     down = linear_of(post[6], post[7], at::Tensor(), inter, "down");
@@ -181,8 +187,7 @@ at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor
                 "layer_bridge: gate_up must be [2 * inter, hidden] and down [hidden, inter], inter a multiple of 4 "
                 "for int8 weights");
   }
-  TORCH_CHECK(pre[0].numel() == hidden, "layer_bridge: norm weight must have hidden elements");
-  const float* ln1 = pre[0].data_ptr<float>();
+  const float* ln1 = norm_of(pre[0], hidden, "input (or final) norm");
   const bool last = pre.size() == 1;
   Linear qkv;
   const int64_t D = cos.size(-1);
