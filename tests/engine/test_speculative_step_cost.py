@@ -87,3 +87,11 @@ def test_the_engine_plans_with_the_bridge_limit_where_the_bridge_serves(tiny_loa
     assert [o.token_ids for o in run(engine)] == [o.token_ids for o in run(make(tiny_loaded, None))]
     monkeypatch.setattr(LlamaForCausalLM, "use_bridge", False)
     assert bridge_rows(tiny_loaded.model) is None and make(tiny_loaded, spec).runner.speculator.planner.cost.linear
+
+
+def test_the_bench_arm_from_before_the_bridge_plans_on_one_line():
+    from kvforge.bench.spec import METHODS
+    from kvforge.engine.spec.config import SpeculativeConfig
+
+    c = SpeculativeConfig(**METHODS["ngram_linear"])
+    assert StepCost(c.verify_row_cost, BRIDGE_ROWS, c.bridge_jump, c.bridge_row_cost).linear and c.verify_row_cost == 0.055
