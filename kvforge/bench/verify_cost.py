@@ -111,6 +111,18 @@ def _fit(cpu: dict[int, float], limit: int | None) -> dict:
             "bridge_jump": (f2 - f1) / f1, "bridge_row_cost": s2 / f1}
 
 
+def planner_constants(single: dict, batch: dict) -> dict:
+    """The planner's three constants from a batch-1 run (`single`: verify_row_cost, what a draft row adds to one
+    sequence's step) and a larger batch's run (`batch`): bridge_jump and bridge_row_cost such that a per-op step of R
+    rows costs what was measured relative to that batch's plain (bridged) step, priced 1 + verify_row_cost x batch."""
+    c, plain = single["verify_row_cost"], 1 + single["verify_row_cost"] * batch["batch"]
+    above = {int(name[4:]): row["cpu_vs_decode"] * plain for name, row in batch["steps"].items() if row["path"] == "per_op"}
+    if len(above) < 2:
+        return {"verify_row_cost": c}
+    fixed, per_row = _line(list(above), list(above.values()))
+    return {"verify_row_cost": c, "bridge_jump": max(0.0, fixed - 1), "bridge_row_cost": max(0.0, per_row)}
+
+
 def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
     """Least-squares intercept and slope of ys over xs."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)

@@ -255,20 +255,24 @@ def run_spec(args) -> int:
     from kvforge.options import json_object
 
     if args.verify_cost:
-        from kvforge.bench.verify_cost import regime_rows, verify_cost
+        from kvforge.bench.verify_cost import planner_constants, regime_rows, verify_cost
 
         loaded = load_model(args.model)
         r = {f"b{b}": verify_cost(loaded, batch=b, rows=regime_rows(b)) for b in args.batches}
+        if "b1" in r and len(r) > 1:
+            r["planner"] = planner_constants(r["b1"], r[f"b{max(args.batches)}"])
         _emit(r, args.json, [(f"{key} {name}", (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), CPU '
                                                 f'{row["cpu_ms"]:.1f} ms ({row["cpu_vs_decode"]:.2f}x), LM head '
                                                 f'{row["lm_head_ms"]:.1f} ms'))
-                             for key, c in r.items() for name, row in c["steps"].items()]
+                             for key, c in r.items() if key != "planner" for name, row in c["steps"].items()]
               + [(f"{key} verify_row_cost", (f'{c["verify_row_cost"]:.3f} (CPU {c["cpu_fixed_ms"]:.1f} ms + '
-                                             f'{c["cpu_per_row_ms"]:.2f} ms per row)')) for key, c in r.items()]
+                                             f'{c["cpu_per_row_ms"]:.2f} ms per row)')) for key, c in r.items()
+                 if key != "planner"]
               + [(f"{key} bridge_jump, bridge_row_cost", (f'{c["bridge_jump"]:.3f}, {c["bridge_row_cost"]:.3f} (per-op '
                                                           f'CPU {c["per_op_cpu_fixed_ms"]:.1f} ms + '
                                                           f'{c["per_op_cpu_per_row_ms"]:.2f} ms per row)'))
-                 for key, c in r.items() if "bridge_jump" in c])
+                 for key, c in r.items() if key != "planner" and "bridge_jump" in c]
+              + [("planner constants", r["planner"])] * ("planner" in r))
         return 0
     r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
                    args.passage_tokens, not args.no_progress, texts=tuple(args.texts),
