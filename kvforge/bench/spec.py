@@ -7,7 +7,8 @@ alternating order (machine load drifts). `speedup` is the ratio of decode-phase 
 already has its first token; prefill is identical work), `cpu_speedup` that of decode-phase tokens per CPU-second of
 the stepping thread (steadier on a shared machine), `e2e_speedup` that of whole wall times.
 
-Methods: `ngram`; `ngram_fixed` (the same without adaptive planning: every sequence drafts all it can); `layer_skip` (the first fifth and the last two fifths of the layers, 0-5 and 18-29 on SmolLM2:
+Methods: `ngram`; `ngram_fixed` (the same without adaptive planning: every sequence drafts all it can); `ngram_linear`
+(the planner's cost as before the layer bridge: one line, 0.055 a row, whatever the step's size); `layer_skip` (the first fifth and the last two fifths of the layers, 0-5 and 18-29 on SmolLM2:
 the best of the subsets tried on the untrained model, see docs/results.md); `draft` with `draft_model` (without one, the target drafts for itself:
 a correctness check that must accept every draft, never a speedup).
 """
@@ -37,6 +38,8 @@ CHAT = ("Write a short story about a lighthouse keeper who finds a message in a 
         "What makes a good team leader? Give examples.")
 METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 5},
            "ngram_fixed": {"method": "ngram", "num_speculative_tokens": 5, "adaptive": False},
+           "ngram_linear": {"method": "ngram", "num_speculative_tokens": 5, "verify_row_cost": 0.055, "bridge_jump": 0.0,
+                            "bridge_row_cost": 0.055},
            "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
            "draft": {"method": "draft", "num_speculative_tokens": 3}}
 DEFAULT_METHODS = ("ngram", "layer_skip")

@@ -65,7 +65,7 @@ def register(sub) -> None:
     f.set_defaults(func=run_kv_formats)
 
     sp = bsub.add_parser("spec", help="speculative decoding vs plain decoding on grounded and open-ended prompts")
-    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods: ngram ngram_fixed layer_skip draft (default: ngram layer_skip, plus draft "
+    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods: ngram ngram_fixed ngram_linear layer_skip draft (default: ngram layer_skip, plus draft "
                     "with --draft-model)")
     sp.add_argument("--draft-model", default=None, help="the draft method's model (default: the target itself, "
                     "a correctness check, not a speedup)")
@@ -79,8 +79,9 @@ def register(sub) -> None:
     sp.add_argument("--rounds", type=int, default=1, help="times each group of prompts runs on every arm, in "
                     "alternating order (default: 1)")
     sp.add_argument("--verify-cost", action="store_true",
-                    help="instead: time verification steps of batch x (1 + k) rows against a plain decode step, at "
-                         "each of --batches, and fit the planner's verify_row_cost")
+                    help="instead: time steps of 1 to batch x 6 rows, both sides of the layer bridge's row limit, "
+                         "against a plain decode step, at each of --batches, and fit the planner's verify_row_cost, "
+                         "bridge_jump and bridge_row_cost")
     _output_options(sp, model=True)
     sp.set_defaults(func=run_spec)
 
@@ -254,16 +255,24 @@ def run_spec(args) -> int:
     from kvforge.options import json_object
 
     if args.verify_cost:
-        from kvforge.bench.verify_cost import verify_cost
+        from kvforge.bench.verify_cost import planner_constants, regime_rows, verify_cost
 
         loaded = load_model(args.model)
-        r = {f"b{b}": verify_cost(loaded, batch=b) for b in args.batches}
+        r = {f"b{b}": verify_cost(loaded, batch=b, rows=regime_rows(b)) for b in args.batches}
+        if "b1" in r and len(r) > 1:
+            r["planner"] = planner_constants(r["b1"], r[f"b{max(args.batches)}"])
         _emit(r, args.json, [(f"{key} {name}", (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), CPU '
                                                 f'{row["cpu_ms"]:.1f} ms ({row["cpu_vs_decode"]:.2f}x), LM head '
                                                 f'{row["lm_head_ms"]:.1f} ms'))
-                             for key, c in r.items() for name, row in c["steps"].items()]
+                             for key, c in r.items() if key != "planner" for name, row in c["steps"].items()]
               + [(f"{key} verify_row_cost", (f'{c["verify_row_cost"]:.3f} (CPU {c["cpu_fixed_ms"]:.1f} ms + '
-                                             f'{c["cpu_per_row_ms"]:.2f} ms per row)')) for key, c in r.items()])
+                                             f'{c["cpu_per_row_ms"]:.2f} ms per row)')) for key, c in r.items()
+                 if key != "planner"]
+              + [(f"{key} bridge_jump, bridge_row_cost", (f'{c["bridge_jump"]:.3f}, {c["bridge_row_cost"]:.3f} (per-op '
+                                                          f'CPU {c["per_op_cpu_fixed_ms"]:.1f} ms + '
+                                                          f'{c["per_op_cpu_per_row_ms"]:.2f} ms per row)'))
+                 for key, c in r.items() if key != "planner" and "bridge_jump" in c]
+              + [("planner constants", r["planner"])] * ("planner" in r))
         return 0
     r = spec_bench(load_model(args.model), args.methods, tuple(args.batches), args.prompts, args.max_tokens,
                    args.passage_tokens, not args.no_progress, texts=tuple(args.texts),

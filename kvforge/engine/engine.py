@@ -15,7 +15,7 @@ from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.spec import SpeculativeConfig, SpeculativeDecoder
-from kvforge.engine.spec.build import build_drafter, load_draft_model
+from kvforge.engine.spec.build import bridge_rows, build_drafter, load_draft_model
 from kvforge.engine.spec.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -83,7 +83,8 @@ class LLMEngine:
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.spec_config:
             drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
-            self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter)
+            self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter,
+                                                        bridge_rows(self.loaded.model))
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0

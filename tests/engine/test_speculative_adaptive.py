@@ -104,6 +104,8 @@ def test_adaptive_runs_are_reproducible(tiny_loaded):
     ({"adaptive": "yes"}, "adaptive must be true or false"),
     ({"verify_row_cost": -0.1}, "verify_row_cost"),
     ({"verify_row_cost": float("nan")}, "verify_row_cost"),
+    ({"bridge_jump": -0.5}, "bridge_jump must be a finite number >= 0"),
+    ({"bridge_row_cost": float("inf")}, "bridge_row_cost must be a finite number >= 0"),
     ({"acceptance_smoothing": 0}, "acceptance_smoothing"),
     ({"acceptance_smoothing": 1.5}, "acceptance_smoothing"),
     ({"probe_interval": 0}, "probe_interval"),

@@ -11,7 +11,9 @@ from kvforge.errors import ConfigError
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.pool import KVPool
+from kvforge.models.bridged import bridged
 from kvforge.models.loader import LoadedModel
+from kvforge.ops.layer_bridge import BRIDGE_ROWS
 
 
 def load_draft_model(config: SpeculativeConfig | None, target: LoadedModel, device: torch.device, max_model_len: int,
@@ -46,3 +48,12 @@ def build_drafter(config: SpeculativeConfig, model: torch.nn.Module, kv: KVCache
 def _num_parameters(model: torch.nn.Module) -> int:
     """Weights and buffers (int8 weights are buffers), at least 1."""
     return max(1, sum(t.numel() for t in (*model.parameters(), *model.buffers())))
+
+
+def bridge_rows(model: torch.nn.Module) -> int | None:
+    """Most rows of a step the model runs through the compiled layer bridge (models/bridged.py), None where it does
+    not (another architecture, the per-op path forced, the kernels not built)."""
+    if not getattr(model, "use_bridge", False):
+        return None
+    x = torch.zeros(1, model.config.hidden_size, device=next(model.parameters()).device)
+    return BRIDGE_ROWS if bridged(model, x) is not None else None

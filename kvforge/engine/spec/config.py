@@ -22,6 +22,8 @@ class SpeculativeConfig:
     False drafts num_speculative_tokens for every sequence whenever the drafter has them.
     verify_row_cost: the planner's cost of one more row in a step, as a fraction of a step's fixed cost
     (`kvforge bench spec --verify-cost` fits it on a machine; the default is this project's CPU measurement).
+    bridge_jump / bridge_row_cost: where the layer bridge serves the model, a step of more rows than it takes
+    (BRIDGE_ROWS) costs 1 + bridge_jump + bridge_row_cost x rows in the same unit (fitted by the same command).
     acceptance_smoothing: weight of each verified draft position in a sequence's moving-average acceptance.
     probe_interval / max_probe_interval: steps a sequence left without drafts waits before it drafts one token
     to re-measure its acceptance; each failed probe doubles the wait up to the maximum.
@@ -33,7 +35,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 16
     adaptive: bool = True
-    verify_row_cost: float = 0.055
+    verify_row_cost: float = 0.11
+    bridge_jump: float = 0.52
+    bridge_row_cost: float = 0.10
     acceptance_smoothing: float = 0.2
     probe_interval: int = 4
     max_probe_interval: int = 64
@@ -66,9 +70,11 @@ class SpeculativeConfig:
     def _check_adaptive(self) -> None:
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative: adaptive must be true or false, got {self.adaptive!r}")
-        cost, w = self.verify_row_cost, self.acceptance_smoothing
-        if not _number(cost) or not 0 <= cost < float("inf"):
-            raise ConfigError(f"speculative: verify_row_cost must be a finite number >= 0, got {cost!r}")
+        w = self.acceptance_smoothing
+        for name in ("verify_row_cost", "bridge_jump", "bridge_row_cost"):
+            cost = getattr(self, name)
+            if not _number(cost) or not 0 <= cost < float("inf"):
+                raise ConfigError(f"speculative: {name} must be a finite number >= 0, got {cost!r}")
         if not _number(w) or not 0 < w <= 1:
             raise ConfigError(f"speculative: acceptance_smoothing must be a number in (0, 1], got {w!r}")
         if self.probe_interval > self.max_probe_interval:

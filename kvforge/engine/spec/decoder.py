@@ -11,12 +11,15 @@ from kvforge.engine.spec.config import SpeculativeConfig
 from kvforge.engine.spec.model_drafter import PENDING, ModelDrafter
 from kvforge.engine.spec.ngram import NgramIndex
 from kvforge.engine.spec.planner import Candidate, SpeculationPlanner
+from kvforge.engine.spec.step_cost import StepCost
 from kvforge.engine.spec.verify import verify_greedy, verify_sampled
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, length_limit: int, evictor=None, drafter: ModelDrafter | None = None):
-        """drafter: the model that drafts (layer_skip, draft); None drafts by prompt lookup (ngram)."""
+    def __init__(self, config: SpeculativeConfig, length_limit: int, evictor=None, drafter: ModelDrafter | None = None,
+                 bridge_rows: int | None = None):
+        """drafter: the model that drafts (layer_skip, draft); None drafts by prompt lookup (ngram).
+        bridge_rows: most rows of a step the target runs through the layer bridge (None: it does not)."""
         self.config, self.length_limit, self.evictor, self.drafter = config, length_limit, evictor, drafter
         k = config.num_speculative_tokens
         self.num_drafts = 0  # (sequence, step) pairs that verified at least one drafted token
@@ -27,7 +30,8 @@ class SpeculativeDecoder:
         self.draft_seconds = 0.0
         self.ngrams: dict[str, NgramIndex] = {}  # each running sequence's n-gram index (method ngram)
         self.num_skipped_batch_size = 0  # sequence-steps without drafts because disable_by_batch_size was reached
-        self.planner = SpeculationPlanner(config.verify_row_cost, config.acceptance_smoothing, config.probe_interval,
+        cost = StepCost(config.verify_row_cost, bridge_rows, config.bridge_jump, config.bridge_row_cost)
+        self.planner = SpeculationPlanner(cost, config.acceptance_smoothing, config.probe_interval,
                                           config.max_probe_interval, drafter.cost_fraction if drafter else 0.0
                                           ) if config.adaptive else None
 

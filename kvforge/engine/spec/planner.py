@@ -3,11 +3,14 @@
 Each sequence keeps `rate`, an exponential moving average of its per-position acceptance (the chance a
 draft is accepted given that the drafts before it were), updated from every position verification judged.
 A step's cost grows with its rows, T(rows) = 1 + verify_row_cost * rows, in units of the step's fixed cost
-(weights read once, Python per step); a step of B decoding sequences emits B tokens plus the accepted drafts,
-and the j-th draft of a sequence adds rate**j expected tokens for one row (plus the drafter's own work per row
-and per draft depth, for model drafters). The planner adds draft rows in order of expected tokens while one
+(weights read once, Python per step), up to the layer bridge's row limit; above it a step pays a jump and rows
+at another rate (engine/spec/step_cost.py). A step of B decoding sequences emits B tokens plus the accepted
+drafts, and the j-th draft of a sequence adds rate**j expected tokens for one row (plus the drafter's own work per
+row and per draft depth, for model drafters). The planner adds draft rows in order of expected tokens while one
 more row raises expected tokens per unit of cost; since the bar rises with every row taken and the offers
-fall, a small batch gets long drafts and a large one only its most promising sequences' first drafts.
+fall, a small batch gets long drafts and a large one only its most promising sequences' first drafts. Where the
+drafts on offer could carry a step past the limit, it plans both ways (at most the limit; enough rows past it
+to pay for the jump) and keeps the one with more expected tokens per unit of cost.
 
 A sequence that the plan gives no drafts stops learning its rate; after `probe_interval` such steps it drafts
 one token anyway (a probe), and each failed probe doubles its wait up to `max_probe_interval`, so text that
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+
+from kvforge.engine.spec.step_cost import StepCost
 
 PRIOR_ACCEPTANCE = 0.5  # the rate of a sequence that has not been verified yet
 
@@ -37,11 +42,13 @@ class Candidate:
 
 
 class SpeculationPlanner:
-    def __init__(self, row_cost: float, smoothing: float, probe_interval: int, max_probe_interval: int,
+    def __init__(self, row_cost: float | StepCost, smoothing: float, probe_interval: int, max_probe_interval: int,
                  draft_fraction: float = 0.0):
-        """draft_fraction: a drafted token's drafter work as a fraction of a target row (0 for prompt lookup);
+        """row_cost: the step cost (engine/spec/step_cost.py), or one line's cost of a row;
+        draft_fraction: a drafted token's drafter work as a fraction of a target row (0 for prompt lookup);
         each draft depth then also costs draft_fraction of a step's fixed cost (one drafter forward)."""
-        self.row_cost, self.smoothing = row_cost, smoothing
+        self.cost = row_cost if isinstance(row_cost, StepCost) else StepCost(row_cost)
+        self.smoothing = smoothing
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self.draft_fraction = draft_fraction
         self.states: dict[str, SequenceAcceptance] = {}
@@ -62,26 +69,46 @@ class SpeculationPlanner:
         """Drafts per candidate key. num_decoding: the step's one-token rows (every decoding sequence)."""
         self.probing.clear()
         self.num_plans += 1
-        c, f = self.row_cost, self.draft_fraction
-        row = c * (1 + f)
-        tokens, cost = float(num_decoding), 1 + c * num_decoding
+        plan = self._choose(candidates, num_decoding)
+        for cand in candidates:
+            self._settle(cand, plan)
+        return plan
+
+    def _choose(self, candidates: list[Candidate], num_decoding: int) -> dict[str, int]:
+        """Where the step could cross the cost's row limit: the better of the best plan within it and the best plan
+        above it (enough drafts to pay for the jump), by expected tokens per unit of cost; a tie keeps fewer rows."""
+        cost = self.cost
+        most = num_decoding + sum(max(0, cand.max_drafts) for cand in candidates)
+        if cost.linear or cost.within(most) or not cost.within(num_decoding):
+            return self._fill(candidates, num_decoding)[0]
+        below, below_rate = self._fill(candidates, num_decoding, max_rows=cost.limit)
+        above, above_rate = self._fill(candidates, num_decoding, min_rows=cost.limit + 1)
+        return above if above_rate > below_rate else below
+
+    def _fill(self, candidates: list[Candidate], num_decoding: int, min_rows: int = 0,
+              max_rows: int | None = None) -> tuple[dict[str, int], float]:
+        """Draft rows in order of expected tokens while one more raises expected tokens per unit of cost; rows up to
+        min_rows are taken regardless, none past max_rows. Returns the plan and its expected tokens per unit of cost."""
+        cost, f = self.cost, self.draft_fraction
+        rows = num_decoding
+        tokens, spent = float(num_decoding), cost(rows)
         depth_open = 0
         plan = {cand.key: 0 for cand in candidates}
         limit = {cand.key: cand.max_drafts for cand in candidates}
         offers = [(-self.state(cand.key).rate, cand.key, 1) for cand in candidates if cand.max_drafts > 0]
         heapq.heapify(offers)
-        while offers:
+        while offers and (max_rows is None or rows < max_rows):
             neg_gain, key, j = heapq.heappop(offers)
+            crossing = cost.within(rows) != cost.within(rows + 1)
+            row = cost(rows + 1) - cost(rows) + cost.row_cost * f if crossing else cost.slope(rows + 1) * (1 + f)
             gain, extra = -neg_gain, row + (f if j > depth_open else 0.0)
-            if gain * cost <= extra * tokens:  # one more row would lower expected tokens per unit of cost
+            if rows >= min_rows and gain * spent <= extra * tokens:  # one more row would lower tokens per cost
                 continue
             plan[key] = j
-            tokens, cost, depth_open = tokens + gain, cost + extra, max(depth_open, j)
+            rows, tokens, spent, depth_open = rows + 1, tokens + gain, spent + extra, max(depth_open, j)
             if j < limit[key]:
                 heapq.heappush(offers, (neg_gain * self.states[key].rate, key, j + 1))
-        for cand in candidates:
-            self._settle(cand, plan)
-        return plan
+        return plan, tokens / spent
 
     def _settle(self, cand: Candidate, plan: dict[str, int]) -> None:
         if cand.max_drafts <= 0:
@@ -92,7 +119,7 @@ class SpeculationPlanner:
             self.num_trimmed_tokens += cand.max_drafts - plan[cand.key]
             return
         s.idle_steps += 1
-        c, f = self.row_cost, self.draft_fraction
+        c, f = self.cost.row_cost, self.draft_fraction
         if s.idle_steps > s.backoff and self._probe_step():
             plan[cand.key] = 1
             s.idle_steps = 0
