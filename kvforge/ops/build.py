@@ -82,3 +82,10 @@ def load_compiled() -> bool:
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return False
 
+
+
+@functools.cache
+def has_cpu_kernel(op: str) -> bool:
+    """The compiled kernels are built and `op` (e.g. "kvforge::int8_linear") has a compiled CPU kernel; ops whose
+    kernel needs CPU features this machine lacks (AVX-512, VNNI) have only their torch reference."""
+    return load_compiled() and torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU")

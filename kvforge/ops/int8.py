@@ -9,12 +9,10 @@ chunks) dequantize once per call and run the BLAS on fp32 activations, where the
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from kvforge.ops.build import disabled, load_compiled
+from kvforge.ops.build import disabled, has_cpu_kernel
 from kvforge.ops.huge_pages import available as huge_pages_available
 from kvforge.ops.huge_pages import huge_page_mapping
 
@@ -119,15 +117,12 @@ LIB.define("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> 
 LIB.impl("int8_linear", int8_linear_reference, "CompositeExplicitAutograd")
 
 
-@functools.cache
-def _cpu_kernel() -> bool:
-    """The compiled kernels are built and int8_linear's registered (the CPU has AVX-512 VNNI)."""
-    return load_compiled() and torch._C._dispatch_has_kernel_for_dispatch_key("kvforge::int8_linear", "CPU")
 
 
 def compiled_for(x: torch.Tensor) -> bool:
     """Whether the compiled int8_linear serves input x (fp32 on the CPU, kernels built, the CPU has AVX-512 VNNI)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and not disabled() and _cpu_kernel()
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not disabled()
+            and has_cpu_kernel("kvforge::int8_linear"))
 
 
 def operator_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,

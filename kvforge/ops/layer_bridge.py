@@ -3,25 +3,19 @@ the few rows of a decode step, in one operator call and one parallel region (the
 forks the threads about ten times per layer). models/bridged.py runs a model's layers through it."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from kvforge.ops.build import disabled, load_compiled
+from kvforge.ops.build import disabled, has_cpu_kernel
 
 BRIDGE_ROWS = 8  # rows (query tokens of a step) up to which the bridge streams each weight once for all of them
-
-
-@functools.cache
-def _cpu_kernel() -> bool:
-    return load_compiled() and torch._C._dispatch_has_kernel_for_dispatch_key("kvforge::layer_bridge", "CPU")
 
 
 def serves(x: torch.Tensor) -> bool:
     """True when the compiled bridge takes these hidden states [T, hidden]: fp32 on CPU, no gradient, at most
     BRIDGE_ROWS rows, the kernels built."""
     return (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= BRIDGE_ROWS
-            and not (x.requires_grad and torch.is_grad_enabled()) and not disabled() and _cpu_kernel())
+            and not (x.requires_grad and torch.is_grad_enabled()) and not disabled()
+            and has_cpu_kernel("kvforge::layer_bridge"))
 
 
 def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
