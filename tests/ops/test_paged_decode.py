@@ -3,6 +3,7 @@
 Caches are filled through each format's own write path in random chunks, so blocks end up as codes,
 in staging entries (partly filled and full), with sink entries and outliers, as in the engine.
 """
+import contextlib
 import math
 import zlib
 
@@ -50,6 +51,17 @@ def filled_cache(name, opts, kv_heads, gen):
     return cache, table
 
 
+@contextlib.contextmanager
+def threads(n):
+    """One thread puts all of a sequence's KV heads in one task (5 sequences are enough runs); two split them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def gathered_attention(q, cache, table, lens, scale, window):
     """The decode math of attention.py over LayerKV.gather (the torch path the engine runs without the op)."""
     k, v = cache.gather(table.flatten())
@@ -76,8 +88,12 @@ def test_compiled_matches_torch_path(compiled, name, opts, shape):
     assert raw is not None
     for window in (0, 20):
         want = gathered_attention(q, cache, table, lens, 0.125, window)
-        got = torch.ops.kvforge.paged_decode(q, table, lens, 0.125, window, *op_args(raw))
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        got = []
+        for n in (1, 2):
+            with threads(n):
+                got.append(torch.ops.kvforge.paged_decode(q, table, lens, 0.125, window, *op_args(raw)))
+        torch.testing.assert_close(got[0], want, atol=2e-5, rtol=1e-4)
+        assert torch.equal(got[0], got[1]), "a head's result depends on how tasks split the heads"
         ref = reference.paged_decode(q, table, lens, 0.125, window, *op_args(raw))
         torch.testing.assert_close(ref, want, atol=2e-5, rtol=1e-4)
 
@@ -100,8 +116,13 @@ def test_multi_query_matches_one_decode_row_per_query(compiled, name, opts, shap
     raw = cache.raw()
     for window in (0, 20):
         want = gathered_attention(q, cache, table[seq], own, 0.125, window)
-        got = torch.ops.kvforge.paged_attend(q, starts, table, torch.tensor(LENS), 0.125, window, *op_args(raw))
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        got = []
+        for n in (1, 2):
+            with threads(n):
+                got.append(torch.ops.kvforge.paged_attend(q, starts, table, torch.tensor(LENS), 0.125, window,
+                                                          *op_args(raw)))
+        torch.testing.assert_close(got[0], want, atol=2e-5, rtol=1e-4)
+        assert torch.equal(got[0], got[1]), "a head's result depends on how tasks split the heads"
         ref = reference.paged_attend(q, starts, table, torch.tensor(LENS), 0.125, window, *op_args(raw))
         torch.testing.assert_close(ref, want, atol=2e-5, rtol=1e-4)
 

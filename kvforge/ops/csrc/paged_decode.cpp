@@ -1,12 +1,13 @@
 // kvforge::paged_attend on CPU: each sequence's queries (one for decode; 1 + k for speculative verification;
 // a chunk for prefill over cached history) attend over its blocks in place, each query up to its own position.
-// Parallel over (run of a sequence's queries, KV head); each block's rows of that head are decoded once into an
-// L1 tile and used by all queries of the run and all of the head's query heads (GQA/MQA); online softmax, so
-// nothing grows with context. kvforge::paged_decode is its one-query-per-sequence case.
+// Tasks are (run of a sequence's queries, KV heads), pulled by the threads longest first; each block's rows of a
+// head are decoded once into an L1 tile (or read in place) and used by all queries of the run and all of the
+// head's query heads (GQA/MQA); online softmax, so nothing grows with context. kvforge::paged_decode is its one-query-per-sequence case.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -77,6 +78,7 @@ struct Problem {
   float* out;
   int64_t H, W, G, kvh, bs, D, Dv, window;
   float scale;
+  int64_t heads;  // KV heads per task
 };
 
 #ifdef __AVX512F__
@@ -104,130 +106,145 @@ bool overlaid(const Problem& p, int64_t blk) {
 }
 
 // DK, DV: head dims known at compile time (0: take them from the problem), so dot products unroll.
-// Each block's tile is loaded once per task and used by every query of the run and every query head of
-// the KV head (rows i * G + g); each row keeps its own online softmax over its own causal range.
+// A task is a run and `heads` consecutive KV heads (all of them when there are enough runs to keep the threads
+// busy). Blocks are walked in order and, within a block, its heads in order, so a task reads each block's rows
+// as one contiguous stream. Each head's tile is loaded once and used by every query of the run and every query
+// head of that KV head (rows i * G + g); each row keeps its own online softmax over its own causal range.
 // L (a vmath.h row reader, DK == DV == 64): for tasks of a few query rows (decode), blocks without exact rows laid
 // over them are read in place, converted in the dot products and weighted sums; row scales (SCALED) multiply the
 // scores and the weights.
 // Above this many query rows per task, converting every row once into a tile costs less than converting it in
 // each row's dot product.
 constexpr int64_t IN_PLACE_ROWS = 6;
+// How far ahead of the block being read the cache is asked for the next one's rows.
+constexpr int64_t PREFETCH_BLOCKS = 2;
 
 template <int DK, int DV, class L = void>
-void run_tasks(const Problem& p, int64_t begin, int64_t end) {
+void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<int64_t>& next) {
   constexpr bool kInPlace = !std::is_void_v<L>;
-  const int64_t D = DK ? DK : p.D, Dv = DV ? DV : p.Dv, G = p.G, bs = p.bs, R = MAX_RUN * G;
-  std::vector<float> kbuf((bs + 1) * D), vbuf((bs + 1) * Dv), qs(R * D), s(R * bs), m(R), l(R), acc(R * Dv);
-  std::vector<float> alpha(R), kscale(bs), vscale(bs);
+  const int64_t D = DK ? DK : p.D, Dv = DV ? DV : p.Dv, G = p.G, bs = p.bs, R = MAX_RUN * G, HT = p.heads;
+  std::vector<float> kbuf((bs + 1) * D), vbuf((bs + 1) * Dv), qs(HT * R * D), s(R * bs), m(HT * R), l(HT * R);
+  std::vector<float> acc(HT * R * Dv), alpha(R), kscale(bs), vscale(bs);
   const float factor = p.K.reader() == READ_E4M3 ? E4M3_FACTOR : 1.f;
   int64_t lo[MAX_RUN], hi[MAX_RUN], r0s[MAX_RUN], r1s[MAX_RUN];
-  for (int64_t task = begin; task < end; ++task) {
-    const Run& run = p.runs[task / p.kvh];
-    const int64_t b = run.seq, h = task % p.kvh, n = run.count, rows = n * G;
+  const int64_t groups = p.kvh / HT;
+  for (int64_t at = next.fetch_add(1); at < static_cast<int64_t>(order.size()); at = next.fetch_add(1)) {
+    const int64_t task = order[at];
+    const Run& run = p.runs[task / groups];
+    const int64_t b = run.seq, h0 = task % groups * HT, n = run.count, rows = n * G;
     for (int64_t i = 0; i < n; ++i) {
       hi[i] = run.limit + i;
       lo[i] = p.window > 0 ? std::max<int64_t>(0, hi[i] - p.window) : 0;
-      const float* qi = p.q + ((run.first + i) * p.H + h * G) * D;
-      for (int64_t c = 0; c < G * D; ++c) qs[i * G * D + c] = qi[c] * p.scale;
+      for (int64_t hh = 0; hh < HT; ++hh) {
+        const float* qi = p.q + ((run.first + i) * p.H + (h0 + hh) * G) * D;
+        float* qd = qs.data() + (hh * R + i * G) * D;
+        for (int64_t c = 0; c < G * D; ++c) qd[c] = qi[c] * p.scale;
+      }
     }
-    std::fill_n(m.begin(), rows, -std::numeric_limits<float>::infinity());
-    std::fill_n(l.begin(), rows, 0.f);
-    std::fill_n(acc.begin(), rows * Dv, 0.f);
+    for (int64_t hh = 0; hh < HT; ++hh) {
+      std::fill_n(m.begin() + hh * R, rows, -std::numeric_limits<float>::infinity());
+      std::fill_n(l.begin() + hh * R, rows, 0.f);
+      std::fill_n(acc.begin() + hh * R * Dv, rows * Dv, 0.f);
+    }
     const int64_t first_key = lo[0], last_key = hi[n - 1];
     for (int64_t j = first_key / bs; j * bs < last_key && j < p.W; ++j) {
       const int64_t blk = p.table[b * p.W + j];
       const int64_t t0 = std::max<int64_t>(first_key - j * bs, 0), t1 = std::min<int64_t>(last_key - j * bs, bs);
-      if (j + 1 < p.W && (j + 1) * bs < last_key) {
-        p.K.prefetch(p.table[b * p.W + j + 1], h);
-        p.V.prefetch(p.table[b * p.W + j + 1], h);
-      }
-      int64_t ldk, ldv;
-      const bool in_place = kInPlace && rows <= IN_PLACE_ROWS && !overlaid(p, blk);
-      const float* kt = in_place ? nullptr : load(p.K, p.staged.k, p.sinks.k, blk, h, t0, t1, kbuf.data(), &ldk);
+      const int64_t ahead = j + PREFETCH_BLOCKS;
+      const bool has_next = ahead < p.W && ahead * bs < last_key;
       for (int64_t i = 0; i < n; ++i) {
         r0s[i] = std::max<int64_t>(lo[i] - j * bs, 0);
         r1s[i] = std::min<int64_t>(hi[i] - j * bs, bs);
-        for (int64_t g = i * G; r0s[i] < r1s[i] && g < (i + 1) * G; ++g) {
-          int64_t r = r0s[i];
+      }
+      const bool in_place = kInPlace && rows <= IN_PLACE_ROWS && !overlaid(p, blk);
+      for (int64_t hh = 0; hh < HT; ++hh) {
+        const int64_t h = h0 + hh;
+        const float* q = qs.data() + hh * R * D;
+        float* mh = m.data() + hh * R;
+        float* lh = l.data() + hh * R;
+        float* ah = acc.data() + hh * R * Dv;
+        if (has_next) {
+          p.K.prefetch(p.table[b * p.W + ahead], h);
+          p.V.prefetch(p.table[b * p.W + ahead], h);
+        }
+        int64_t ldk, ldv;
+        const float* kt = in_place ? nullptr : load(p.K, p.staged.k, p.sinks.k, blk, h, t0, t1, kbuf.data(), &ldk);
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t g = i * G; r0s[i] < r1s[i] && g < (i + 1) * G; ++g) {
+            int64_t r = r0s[i];
 #ifdef __AVX512F__
-          if constexpr (kInPlace) {
-            if (in_place) {
-              const auto* kr = reinterpret_cast<const typename L::T*>(p.K.rows(blk, h));
-              const int64_t ld = p.K.row_stride();
-              for (; r + 8 <= r1s[i]; r += 8) dot8<DK, L>(qs.data() + g * D, kr + r * ld, ld, s.data() + g * bs + r);
-              for (; r < r1s[i]; ++r) s[g * bs + r] = dot1<DK, L>(qs.data() + g * D, kr + r * ld);
-              continue;
+            if constexpr (kInPlace) {
+              if (in_place) {
+                const auto* kr = reinterpret_cast<const typename L::T*>(p.K.rows(blk, h));
+                const int64_t ld = p.K.row_stride();
+                for (; r + 8 <= r1s[i]; r += 8) dot8<DK, L>(q + g * D, kr + r * ld, ld, s.data() + g * bs + r);
+                for (; r < r1s[i]; ++r) s[g * bs + r] = dot1<DK, L>(q + g * D, kr + r * ld);
+                continue;
+              }
             }
-          }
 #endif
 #ifdef __AVX2__
-          if constexpr (DK > 0 && DK % 8 == 0)
-            for (; r + 8 <= r1s[i]; r += 8) dot8<DK>(qs.data() + g * D, kt + r * ldk, ldk, s.data() + g * bs + r);
+            if constexpr (DK > 0 && DK % 8 == 0)
+              for (; r + 8 <= r1s[i]; r += 8) dot8<DK>(q + g * D, kt + r * ldk, ldk, s.data() + g * bs + r);
 #endif
-          for (; r < r1s[i]; ++r) s[g * bs + r] = dot(qs.data() + g * D, kt + r * ldk, D);
+            for (; r < r1s[i]; ++r) s[g * bs + r] = dot(q + g * D, kt + r * ldk, D);
+          }
         }
-      }
-      const bool scaled = in_place && p.K.kind == SCALED;
-      if (scaled) {  // scores of in-place SCALED rows still lack their row's scale
-        p.K.row_scales(blk, h, t0, t1, factor, kscale.data());
-        p.V.row_scales(blk, h, t0, t1, factor, vscale.data());
-        for (int64_t g = 0; g < rows; ++g)
-          for (int64_t r = t0; r < t1; ++r) s[g * bs + r] *= kscale[r];
-      }
-      const float* vt = in_place ? nullptr : load(p.V, p.staged.v, p.sinks.v, blk, h, t0, t1, vbuf.data(), &ldv);
-      for (int64_t g = 0; g < rows; ++g) {  // online softmax; weights outside a row's range become 0
-        const int64_t r0 = r0s[g / G], r1 = r1s[g / G];
-        float* sg = s.data() + g * bs;
-        if (r0 >= r1) {
-          alpha[g] = 1.f;
-          std::fill(sg + t0, sg + t1, 0.f);
-          continue;
+        const bool scaled = in_place && p.K.kind == SCALED;
+        if (scaled) {  // scores of in-place SCALED rows still lack their row's scale
+          p.K.row_scales(blk, h, t0, t1, factor, kscale.data());
+          p.V.row_scales(blk, h, t0, t1, factor, vscale.data());
+          for (int64_t g = 0; g < rows; ++g)
+            for (int64_t r = t0; r < t1; ++r) s[g * bs + r] *= kscale[r];
         }
-        const float top = std::max(m[g], *std::max_element(sg + r0, sg + r1));
-        alpha[g] = m[g] == top ? 1.f : exp_nonpositive(m[g] - top);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t r = r0; r < r1; ++r) {
-          sg[r] = exp_nonpositive(sg[r] - top);
-          sum += sg[r];
+        const float* vt = in_place ? nullptr : load(p.V, p.staged.v, p.sinks.v, blk, h, t0, t1, vbuf.data(), &ldv);
+        for (int64_t g = 0; g < rows; ++g) {  // online softmax; weights outside a row's range become 0
+          const int64_t r0 = r0s[g / G], r1 = r1s[g / G];
+          float* sg = s.data() + g * bs;
+          if (r0 >= r1) {
+            alpha[g] = 1.f;
+            std::fill(sg + t0, sg + t1, 0.f);
+          } else {
+            alpha[g] = softmax_step(sg, t0, t1, r0, r1, mh[g], lh[g]);
+          }
         }
-        std::fill(sg + t0, sg + r0, 0.f);
-        std::fill(sg + r1, sg + t1, 0.f);
-        l[g] = l[g] * alpha[g] + sum;
-        m[g] = top;
-      }
 #ifdef __AVX512F__
-      if constexpr (kInPlace) {
-        if (in_place) {
-          if (scaled)
-            for (int64_t g = 0; g < rows; ++g)
-              for (int64_t r = t0; r < t1; ++r) s[g * bs + r] *= vscale[r];
-          const auto* vr = reinterpret_cast<const typename L::T*>(p.V.rows(blk, h));
-          weigh_all<L>(s.data(), bs, vr, p.V.row_stride(), t0, t1, alpha.data(), acc.data(), rows);
+        if constexpr (kInPlace) {
+          if (in_place) {
+            if (scaled)
+              for (int64_t g = 0; g < rows; ++g)
+                for (int64_t r = t0; r < t1; ++r) s[g * bs + r] *= vscale[r];
+            const auto* vr = reinterpret_cast<const typename L::T*>(p.V.rows(blk, h));
+            weigh_all<L>(s.data(), bs, vr, p.V.row_stride(), t0, t1, alpha.data(), ah, rows);
+            continue;
+          }
+        }
+        if constexpr (DV == 64) {  // up to 6 rows' accumulators in registers, each V row loaded once for them
+          weigh_all<F32Rows>(s.data(), bs, vt, ldv, t0, t1, alpha.data(), ah, rows);
           continue;
         }
-      }
-      if constexpr (DV == 64) {  // up to 6 rows' accumulators in registers, each V row loaded once for them
-        weigh_all<F32Rows>(s.data(), bs, vt, ldv, t0, t1, alpha.data(), acc.data(), rows);
-        continue;
-      }
 #endif
-      for (int64_t g = 0; g < rows; ++g) {
-        const float* sg = s.data() + g * bs;
-        float* ag = acc.data() + g * Dv;
-        for (int64_t c = 0; c < Dv; ++c) ag[c] *= alpha[g];
-        for (int64_t r = t0; r < t1; ++r) {
-          const float w = sg[r];
-          const float* vr = vt + r * ldv;
+        for (int64_t g = 0; g < rows; ++g) {
+          const float* sg = s.data() + g * bs;
+          float* ag = ah + g * Dv;
+          for (int64_t c = 0; c < Dv; ++c) ag[c] *= alpha[g];
+          for (int64_t r = t0; r < t1; ++r) {
+            const float w = sg[r];
+            const float* vr = vt + r * ldv;
 #pragma omp simd
-          for (int64_t c = 0; c < Dv; ++c) ag[c] += w * vr[c];
+            for (int64_t c = 0; c < Dv; ++c) ag[c] += w * vr[c];
+          }
         }
       }
     }
-    for (int64_t g = 0; g < rows; ++g) {
-      float* o = p.out + ((run.first + g / G) * p.H + h * G + g % G) * Dv;
-      const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-      for (int64_t c = 0; c < Dv; ++c) o[c] = acc[g * Dv + c] * inv;
+    for (int64_t hh = 0; hh < HT; ++hh) {
+      const float* lh = l.data() + hh * R;
+      const float* ah = acc.data() + hh * R * Dv;
+      for (int64_t g = 0; g < rows; ++g) {
+        float* o = p.out + ((run.first + g / G) * p.H + (h0 + hh) * G + g % G) * Dv;
+        const float inv = lh[g] > 0.f ? 1.f / lh[g] : 0.f;
+        for (int64_t c = 0; c < Dv; ++c) o[c] = ah[g * Dv + c] * inv;
+      }
     }
   }
 }
@@ -244,6 +261,25 @@ std::vector<Run> runs_of(const int64_t* starts, const int64_t* lens, int64_t B) 
       runs.push_back({b, starts[b] + i, std::min(MAX_RUN, count - i), lens[b] - count + i + 1});
   }
   return runs;
+}
+
+// All of a run's KV heads in one task (each block read as one stream) when the runs alone give every thread
+// several tasks; else one head per task, so that a few long sequences still spread over the threads.
+int64_t heads_per_task(size_t runs, int64_t kvh) {
+  return static_cast<int64_t>(runs) >= 4 * at::get_num_threads() ? kvh : 1;
+}
+
+// Tasks (run * splits + part), longest run first, so that threads pulling them in turn finish together.
+std::vector<int64_t> task_order(const std::vector<Run>& runs, int64_t splits) {
+  std::vector<int64_t> by_length(runs.size());
+  std::iota(by_length.begin(), by_length.end(), int64_t{0});
+  std::stable_sort(by_length.begin(), by_length.end(),
+                   [&](int64_t a, int64_t b) { return runs[a].limit + runs[a].count > runs[b].limit + runs[b].count; });
+  std::vector<int64_t> order;
+  order.reserve(runs.size() * splits);
+  for (int64_t r : by_length)
+    for (int64_t part = 0; part < splits; ++part) order.push_back(r * splits + part);
+  return order;
 }
 
 at::Tensor attend(const at::Tensor& q_in, const std::vector<int64_t>& starts, const at::Tensor& table_in,
@@ -270,22 +306,25 @@ at::Tensor attend(const at::Tensor& q_in, const std::vector<int64_t>& starts, co
   at::Tensor out = at::empty({q.size(0), H, Dv}, q.options());  // every (query, head) row is written by one task
   const Problem p{K, V, staged, sinks, q.data_ptr<float>(), table.data_ptr<int64_t>(), runs,
                   out.data_ptr<float>(), H, table.size(1), H / kvh, kvh, bs, D, Dv, window,
-                  static_cast<float>(scale)};
+                  static_cast<float>(scale), heads_per_task(runs.size(), kvh)};
   const Reader reader = K.reader() == V.reader() && D == 64 && Dv == 64 ? K.reader() : DECODE_TILES;
-  at::parallel_for(0, static_cast<int64_t>(runs.size()) * kvh, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> order = task_order(runs, p.heads == kvh ? 1 : kvh);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(order.size()));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
 #ifdef __AVX512F__
     switch (reader) {
-      case READ_F16: return run_tasks<64, 64, F16Rows>(p, begin, end);
-      case READ_BF16: return run_tasks<64, 64, BF16Rows>(p, begin, end);
-      case READ_INT8: return run_tasks<64, 64, Int8Rows>(p, begin, end);
-      case READ_E4M3: return run_tasks<64, 64, E4M3Rows>(p, begin, end);
-      case READ_E5M2: return run_tasks<64, 64, E5M2Rows>(p, begin, end);
+      case READ_F16: return run_tasks<64, 64, F16Rows>(p, order, next);
+      case READ_BF16: return run_tasks<64, 64, BF16Rows>(p, order, next);
+      case READ_INT8: return run_tasks<64, 64, Int8Rows>(p, order, next);
+      case READ_E4M3: return run_tasks<64, 64, E4M3Rows>(p, order, next);
+      case READ_E5M2: return run_tasks<64, 64, E5M2Rows>(p, order, next);
       default: break;
     }
 #endif
-    if (D == 64 && Dv == 64) run_tasks<64, 64>(p, begin, end);
-    else if (D == 128 && Dv == 128) run_tasks<128, 128>(p, begin, end);
-    else run_tasks<0, 0>(p, begin, end);
+    if (D == 64 && Dv == 64) run_tasks<64, 64>(p, order, next);
+    else if (D == 128 && Dv == 128) run_tasks<128, 128>(p, order, next);
+    else run_tasks<0, 0>(p, order, next);
   });
   return out;
 }

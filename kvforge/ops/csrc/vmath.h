@@ -3,6 +3,7 @@
 // Relative error ~2e-7 over [-87, 0]; below that the result is 0 (as expf's, for softmax purposes).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -242,6 +243,65 @@ inline float dot1(const float* q, const typename L::T* k) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 #endif
+
+#ifdef __AVX512F__
+// exp_nonpositive on 16 lanes, the same steps.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 round = _mm512_set1_ps(12582912.f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
+  const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, f), f, f), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Lanes [lo, hi) of the 16 from `at` (clipped to them).
+inline __mmask16 lanes(int64_t at, int64_t lo, int64_t hi) {
+  const int64_t a = std::max<int64_t>(lo - at, 0), b = std::min<int64_t>(hi - at, 16);
+  return a >= b ? 0 : static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
+}
+#endif
+
+// One online-softmax step of a row whose scores s[t0, t1) cover a block, of which [r0, r1) (non-empty) are in
+// its range: s becomes the weights (0 outside the range), m and l (running max and sum) move on; returns the
+// factor for what the row accumulated before this block.
+inline float softmax_step(float* s, int64_t t0, int64_t t1, int64_t r0, int64_t r1, float& m, float& l) {
+#ifdef __AVX512F__
+  __m512 top16 = _mm512_set1_ps(m);
+  for (int64_t r = r0 & ~int64_t{15}; r < r1; r += 16)
+    top16 = _mm512_mask_max_ps(top16, lanes(r, r0, r1), top16, _mm512_maskz_loadu_ps(lanes(r, r0, r1), s + r));
+  const float top = _mm512_reduce_max_ps(top16);
+  __m512 sum16 = _mm512_setzero_ps();
+  for (int64_t r = t0 & ~int64_t{15}; r < t1; r += 16) {
+    const __mmask16 in = lanes(r, r0, r1);
+    const __m512 w = _mm512_maskz_mov_ps(in, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, s + r),
+                                                                             _mm512_set1_ps(top))));
+    _mm512_mask_storeu_ps(s + r, lanes(r, t0, t1), w);
+    sum16 = _mm512_add_ps(sum16, w);
+  }
+  const float sum = _mm512_reduce_add_ps(sum16);
+#else
+  const float top = std::max(m, *std::max_element(s + r0, s + r1));
+  float sum = 0.f;
+  for (int64_t r = r0; r < r1; ++r) {
+    s[r] = exp_nonpositive(s[r] - top);
+    sum += s[r];
+  }
+  std::fill(s + t0, s + r0, 0.f);
+  std::fill(s + r1, s + t1, 0.f);
+#endif
+  const float alpha = m == top ? 1.f : exp_nonpositive(m - top);
+  l = l * alpha + sum;
+  m = top;
+  return alpha;
+}
 
 #ifdef __AVX512F__
 // acc[g] = acc[g] * alpha[g] + sum over rows r in [t0, t1) of w[g * ws + r] * v[r] for K rows g of 64 values:
