@@ -14,14 +14,18 @@ from kvforge.kv.memory import bytes_per_token
 
 def measure_matmul_peak(device: torch.device, seconds: float = 1.0, m: int = 512, k: int = 576, n: int = 1536) -> Span:
     """fp32 FLOP/s of a model-shaped matmul, the roofline's compute ceiling on this machine, per second of wall
-    time and of the calling thread's CPU time: the faster of torch's F.linear and the engine's own linear (oneDNN
-    on a packed weight on CPU, about twice MKL here)."""
+    time and of the calling thread's CPU time: the fastest of torch's F.linear and the engine's own linears
+    (panel_linear, and oneDNN on a packed weight, about twice MKL here)."""
     from kvforge.ops.layers import linear
+    from kvforge.ops.packed_weights import packed, packed_linear
 
     a = torch.randn(m, k, device=device)
     w = torch.randn(n, k, device=device)
+    paths = [torch.nn.functional.linear, linear]
+    if packed(w) is not None:
+        paths.append(lambda x, weight: packed_linear(x, packed(weight), None))
     with torch.inference_mode():
-        rates = [_rate(lambda f=fn: f(a, w), 2 * m * k * n, seconds) for fn in (torch.nn.functional.linear, linear)]
+        rates = [_rate(lambda f=fn: f(a, w), 2 * m * k * n, seconds) for fn in paths]
     return Span(max(r.wall for r in rates), max(r.cpu for r in rates))
 
 

@@ -78,7 +78,7 @@ def test_wrappers_take_the_torch_path_for_gradients_and_other_dtypes():
                                layers_reference.rms_norm(xd, w.detach().double(), 1e-6))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 33, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 33, 300, 600])
 def test_linear_matches_f_linear_on_every_path(rows):
     gen = torch.Generator().manual_seed(100 + rows)
     x, w, b = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen), torch.randn(960, generator=gen)
@@ -86,7 +86,8 @@ def test_linear_matches_f_linear_on_every_path(rows):
     torch.testing.assert_close(layers.linear(x[:, :7], w[:, :7], None), F.linear(x[:, :7], w[:, :7]), rtol=1e-4, atol=1e-4)
 
 
-def test_a_weight_is_packed_once_on_its_first_multi_row_use_and_kept_with_it():
+def test_a_weight_is_packed_once_per_path_on_its_first_use_there_and_kept_with_it():
+    from kvforge.ops import panels
     from kvforge.ops.packed_weights import ATTRIBUTE, packing_available
 
     if not packing_available():
@@ -94,14 +95,18 @@ def test_a_weight_is_packed_once_on_its_first_multi_row_use_and_kept_with_it():
     w = torch.randn(64, 32)
     for rows in range(1, layers.STREAM_ROWS + 1):
         layers.linear(torch.randn(rows, 32), w)
-    assert getattr(w, ATTRIBUTE, None) is None  # a few rows run small_linear on the plain weight
+    assert getattr(w, panels.ATTRIBUTE, None) is None  # a few rows run small_linear on the plain weight
     layers.linear(torch.randn(9, 32), w)
-    first = getattr(w, ATTRIBUTE)
-    layers.linear(torch.randn(12, 32), w)
-    assert getattr(w, ATTRIBUTE) is first
+    first = getattr(w, panels.ATTRIBUTE)
+    layers.linear(torch.randn(layers.PANEL_ROWS, 32), w)
+    assert getattr(w, panels.ATTRIBUTE) is first and getattr(w, ATTRIBUTE, None) is None
+    layers.linear(torch.randn(layers.PANEL_ROWS + 1, 32), w)  # prefill-sized: oneDNN
+    packed = getattr(w, ATTRIBUTE)
+    layers.linear(torch.randn(layers.PANEL_ROWS + 7, 32), w)
+    assert getattr(w, ATTRIBUTE) is packed
     wide_k = torch.randn(64, layers.STREAM_FLOATS // 2 + 1)
-    layers.linear(torch.randn(2, wide_k.shape[1]), wide_k)  # two such rows would not stay in L1: oneDNN
-    assert getattr(wide_k, ATTRIBUTE, None) is not None
+    layers.linear(torch.randn(2, wide_k.shape[1]), wide_k)  # two such rows would not stay in L1: panels
+    assert getattr(wide_k, panels.ATTRIBUTE, None) is not None
     grad_w = torch.randn(64, 32, requires_grad=True)
     layers.linear(torch.randn(9, 32), grad_w)  # autograd on: the plain path, nothing packed
-    assert getattr(grad_w, ATTRIBUTE, None) is None
+    assert getattr(grad_w, ATTRIBUTE, None) is None and getattr(grad_w, panels.ATTRIBUTE, None) is None

@@ -1,0 +1,110 @@
+// kvforge::panel_linear: y = x @ W^T (+ bias) for steps of tens of rows (batched decode, speculative verification),
+// where oneDNN reaches about half of its large-product rate. W is packed once into panels of 16 output columns,
+// [P, K, 16] (ops/panels.py), so that for each k the 16 weights of a panel are one vector load. A tile of up to
+// 8 rows of x and 3 panels keeps its 24 sums in registers over the whole of K: per k, 3 loads of W, 8
+// broadcasts of x and 24 FMAs. Threads split the panel triples; each triple (K * 48 floats) is read from memory
+// once and from L2 by the following row tiles. Every output is one sum over k in order whatever the row count,
+// so a row's result does not depend on the rows beside it. Without AVX-512 it unpacks W and calls at::linear.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace kvforge {
+namespace {
+
+constexpr int64_t kPanel = 16;      // output columns per panel
+constexpr int64_t kPanelsPerTile = 3;
+constexpr int64_t kRowsPerTile = 8;
+
+#if defined(__AVX512F__)
+// Rows [0, MR) of x (row stride K) against panels [p0, p0 + NP) of W: y[:, 16 * p0 ...] for columns below N.
+template <int MR, int NP>
+void tile(const float* x, const float* panels, const float* bias, float* y, int64_t K, int64_t N, int64_t p0) {
+  __m512 c[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NP; ++p) c[m][p] = _mm512_setzero_ps();
+  const float* w = panels + p0 * K * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wk[NP];
+    for (int p = 0; p < NP; ++p) wk[p] = _mm512_loadu_ps(w + (p * K + k) * kPanel);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xm = _mm512_set1_ps(x[m * K + k]);
+      for (int p = 0; p < NP; ++p) c[m][p] = _mm512_fmadd_ps(xm, wk[p], c[m][p]);
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n0 = (p0 + p) * kPanel, width = std::min<int64_t>(kPanel, N - n0);
+    const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * N + n0, keep, _mm512_add_ps(c[m][p], b));
+  }
+}
+
+template <int NP>
+void rows_tile(int64_t mr, const float* x, const float* panels, const float* bias, float* y, int64_t K, int64_t N,
+               int64_t p0) {
+  switch (mr) {
+    case 1: return tile<1, NP>(x, panels, bias, y, K, N, p0);
+    case 2: return tile<2, NP>(x, panels, bias, y, K, N, p0);
+    case 3: return tile<3, NP>(x, panels, bias, y, K, N, p0);
+    case 4: return tile<4, NP>(x, panels, bias, y, K, N, p0);
+    case 5: return tile<5, NP>(x, panels, bias, y, K, N, p0);
+    case 6: return tile<6, NP>(x, panels, bias, y, K, N, p0);
+    case 7: return tile<7, NP>(x, panels, bias, y, K, N, p0);
+    default: return tile<8, NP>(x, panels, bias, y, K, N, p0);
+  }
+}
+
+// All rows of x against panels [p0, p1): triple by triple, row tile by row tile.
+void panel_range(const float* x, const float* panels, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
+    const int64_t np = std::min(kPanelsPerTile, p1 - p);
+    for (int64_t m = 0; m < M; m += kRowsPerTile) {
+      const int64_t mr = std::min(kRowsPerTile, M - m);
+      const float* xm = x + m * K;
+      float* ym = y + m * N;
+      if (np == 3) rows_tile<3>(mr, xm, panels, bias, ym, K, N, p);
+      else if (np == 2) rows_tile<2>(mr, xm, panels, bias, ym, K, N, p);
+      else rows_tile<1>(mr, xm, panels, bias, ym, K, N, p);
+    }
+  }
+}
+#endif
+
+at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels_in, int64_t n,
+                            const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && panels_in.dim() == 3 && panels_in.size(2) == kPanel && x_in.size(1) == panels_in.size(1),
+              "panel_linear: x [M, K] and panels [P, K, 16] expected");
+  TORCH_CHECK(n > (panels_in.size(0) - 1) * kPanel && n <= panels_in.size(0) * kPanel,
+              "panel_linear: ", panels_in.size(0), " panels hold ", panels_in.size(0) * kPanel, " columns at most, not ", n);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && panels_in.scalar_type() == at::kFloat, "panel_linear: fp32 only");
+  const bool has_bias = bias_in.has_value() && bias_in->defined();
+#if defined(__AVX512F__)
+  const at::Tensor x = x_in.contiguous(), panels = panels_in.contiguous();
+  const at::Tensor bias = has_bias ? bias_in->contiguous() : at::Tensor();
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  at::Tensor y = at::empty({M, n}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>(), *bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t triples = (P + kPanelsPerTile - 1) / kPanelsPerTile;
+  at::parallel_for(0, triples, 1, [&](int64_t begin, int64_t end) {
+    panel_range(xp, wp, bp, yp, M, K, n, begin * kPanelsPerTile, std::min(P, end * kPanelsPerTile));
+  });
+  return y;
+#else
+  const at::Tensor w = panels_in.transpose(1, 2).reshape({-1, panels_in.size(1)}).narrow(0, 0, n);
+  return at::linear(x_in, w, has_bias ? *bias_in : at::Tensor());
+#endif
+}
+
+}  // namespace
+}  // namespace kvforge
+
+TORCH_LIBRARY_IMPL(kvforge, CPU, m) { m.impl("panel_linear", &kvforge::panel_linear_cpu); }
