@@ -1,5 +1,5 @@
-"""The compiled small_linear and oneDNN's linear on packed weights against torch's F.linear (the BLAS) on SmolLM2's
-decoder shapes, weights of 30 layers so they stream from memory as in a decode step:
+"""The compiled small_linear and panel_linear and oneDNN's linear on packed weights against torch's F.linear (the
+BLAS) on SmolLM2's decoder shapes, weights of 30 layers so they stream from memory as in a decode step:
 `python -m kvforge.ops.bench_matmul [--rows 1 2 4 8 16 32 128 1024] [--pages 2m 4k]`. Prints, per row count and
 shape, each path's speedup over F.linear (CPU time of this thread, medians; small_linear only up to 32 rows), and
 at one row the bandwidth (GB/s of this thread) of small_linear next to `Tensor.sum` over the same weights, with
@@ -18,6 +18,7 @@ from torch import nn
 from kvforge.ops.build import load_compiled
 from kvforge.ops.huge_pages import move_to_huge_pages
 from kvforge.ops.packed_weights import packed, packed_linear
+from kvforge.ops.panels import pack_panels
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -57,7 +58,7 @@ def bench(rows: list[int], pages: list[str], layers: int = 30, repeats: int = 15
     if not load_compiled():
         raise SystemExit("no compiled kvforge ops on this machine: nothing to compare")
     op = torch.ops.kvforge.small_linear
-    small, onednn, gbps = {}, {}, {}
+    small, panel, onednn, gbps = {}, {}, {}, {}
     for name in SHAPES:
         for kind in pages:
             weights = layer_weights(name, layers, kind)
@@ -65,16 +66,20 @@ def bench(rows: list[int], pages: list[str], layers: int = 30, repeats: int = 15
             if kind != pages[0]:
                 continue
             packed_weights = [packed(w) for w in weights]
+            panel_weights = [pack_panels(w) for w in weights]
+            n = weights[0].shape[0]
             for m in rows:
                 x = torch.randn(m, weights[0].shape[1])
                 blas = cpu_time(F.linear, x, weights, repeats)
                 if m <= 32:
                     small.setdefault(f"rows_{m}", {})[name] = blas / cpu_time(op, x, weights, repeats)
+                panel_op = (lambda x_, p_, b_, n_=n: torch.ops.kvforge.panel_linear(x_, p_, n_, b_))
+                panel.setdefault(f"rows_{m}", {})[name] = blas / cpu_time(panel_op, x, panel_weights, repeats)
                 if packed_weights[0] is not None:
                     onednn.setdefault(f"rows_{m}", {})[name] = blas / cpu_time(packed_linear, x, packed_weights,
                                                                                 repeats)
     return {"threads": torch.get_num_threads(), "pages": pages[0], "small_linear_speedup_vs_blas": small,
-            "onednn_packed_speedup_vs_blas": onednn, "one_row_gbps": gbps}
+            "panel_linear_speedup_vs_blas": panel, "onednn_packed_speedup_vs_blas": onednn, "one_row_gbps": gbps}
 
 
 def main() -> None:
