@@ -35,9 +35,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 16
     adaptive: bool = True
-    verify_row_cost: float = 0.11
-    bridge_jump: float = 0.52
-    bridge_row_cost: float = 0.10
+    verify_row_cost: float = 0.09
+    bridge_jump: float = 0.02
+    bridge_row_cost: float = 0.09
     acceptance_smoothing: float = 0.2
     probe_interval: int = 4
     max_probe_interval: int = 64
