@@ -2,8 +2,9 @@
 // where oneDNN reaches about half of its large-product rate. W is packed once into panels of 16 output columns,
 // [P, K, 16] (ops/panels.py), so that for each k the 16 weights of a panel are one vector load. A tile of up to
 // 8 rows of x and 3 panels keeps its 24 sums in registers over the whole of K: per k, 3 loads of W, 8
-// broadcasts of x and 24 FMAs. Threads split the panel triples; each triple (K * 48 floats) is read from memory
-// once and from L2 by the following row tiles. Every output is one sum over k in order whatever the row count,
+// broadcasts of x and 24 FMAs. x is taken in blocks of rows that fit L2 (512 KB); for each block the threads
+// split the panel triples, and each triple (K * 48 floats) is read from memory once and from L2 by the following
+// row tiles. Every output is one sum over k in order whatever the row count,
 // so a row's result does not depend on the rows beside it. Without AVX-512 it unpacks W and calls at::linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,6 +22,7 @@ namespace {
 constexpr int64_t kPanel = 16;      // output columns per panel
 constexpr int64_t kPanelsPerTile = 3;
 constexpr int64_t kRowsPerTile = 8;
+constexpr int64_t kL2Floats = 131072;  // rows of x per block: 512 KB, so that every panel triple finds them in L2
 
 #if defined(__AVX512F__)
 // Rows [0, MR) of x (row stride K) against panels [p0, p0 + NP) of W: y[:, 16 * p0 ...] for columns below N.
@@ -94,9 +96,13 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels_in,
   const float *xp = x.data_ptr<float>(), *wp = panels.data_ptr<float>(), *bp = has_bias ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t triples = (P + kPanelsPerTile - 1) / kPanelsPerTile;
-  at::parallel_for(0, triples, 1, [&](int64_t begin, int64_t end) {
-    panel_range(xp, wp, bp, yp, M, K, n, begin * kPanelsPerTile, std::min(P, end * kPanelsPerTile));
-  });
+  const int64_t block = std::max<int64_t>(kRowsPerTile, kL2Floats / K / kRowsPerTile * kRowsPerTile);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t rows = std::min(block, M - m0);
+    at::parallel_for(0, triples, 1, [&](int64_t begin, int64_t end) {
+      panel_range(xp + m0 * K, wp, bp, yp + m0 * n, rows, K, n, begin * kPanelsPerTile, std::min(P, end * kPanelsPerTile));
+    });
+  }
   return y;
 #else
   const at::Tensor w = panels_in.transpose(1, 2).reshape({-1, panels_in.size(1)}).narrow(0, 0, n);
