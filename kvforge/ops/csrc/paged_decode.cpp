@@ -2,7 +2,8 @@
 // a chunk for prefill over cached history) attend over its blocks in place, each query up to its own position.
 // Tasks are (run of a sequence's queries, KV heads), pulled by the threads longest first; each block's rows of a
 // head are decoded once into an L1 tile (or read in place) and used by all queries of the run and all of the
-// head's query heads (GQA/MQA); online softmax, so nothing grows with context. kvforge::paged_decode is its one-query-per-sequence case.
+// head's query heads (GQA/MQA); online softmax, so nothing grows with context. kvforge::paged_decode is its
+// one-query-per-sequence case.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
