@@ -109,6 +109,14 @@ void Side::prefetch(int64_t b, int64_t h) const {
   }
 }
 
+float Side::sweep(int64_t b) const {
+  const int64_t bytes = bs * heads * row_bytes();
+  const uint8_t* p = data + b * bytes;
+  uint8_t x = 0;
+  for (int64_t i = 0; i < bytes; i += 64) x ^= p[i];
+  return x;
+}
+
 Reader Side::reader() const {
   if (kind == PLAIN) return dtype == at::kHalf ? READ_F16 : dtype == at::kBFloat16 ? READ_BF16 : DECODE_TILES;
   if (kind != SCALED) return DECODE_TILES;

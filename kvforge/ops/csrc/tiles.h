@@ -47,6 +47,10 @@ struct Side {
   const float* tile(int64_t b, int64_t h, int64_t r0, int64_t r1, float* scratch, int64_t* ld) const;
   // Asks the cache for what tile(b, h, ...) will read (blocks sit at random places in the pool).
   void prefetch(int64_t b, int64_t h) const;
+  // Reads every row of every head of block b once, front to back, so that the hardware prefetcher streams the
+  // block (software prefetches of a block's rows did not reach memory any sooner); returns a value that depends
+  // on the reads so that they happen.
+  float sweep(int64_t b) const;
   // How a kernel may read this format's rows without a tile (DECODE_TILES: it may not).
   Reader reader() const;
   // Row 0 of head h of block b in storage; row r is row_stride() elements further.
