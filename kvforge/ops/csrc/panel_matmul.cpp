@@ -4,8 +4,8 @@
 // 8 rows of x and 3 panels keeps its 24 sums in registers over the whole of K: per k, 3 loads of W, 8
 // broadcasts of x and 24 FMAs. x is taken in blocks of rows that fit L2 (512 KB); for each block the threads
 // split the panel triples, and each triple (K * 48 floats) is read from memory once and from L2 by the following
-// row tiles. Every output is one sum over k in order whatever the row count,
-// so a row's result does not depend on the rows beside it. Without AVX-512 it unpacks W and calls at::linear.
+// row tiles. Every output is one sum over k in order whatever the row count, so a row's result does not depend on
+// the rows beside it. Without AVX-512 it unpacks W and calls at::linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
