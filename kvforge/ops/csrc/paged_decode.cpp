@@ -316,7 +316,7 @@ at::Tensor attend(const at::Tensor& q_in, const std::vector<int64_t>& starts, co
                   out.data_ptr<float>(), H, table.size(1), H / kvh, kvh, bs, D, Dv, window,
                   static_cast<float>(scale), heads_per_task(runs.size(), kvh)};
   const Reader reader = K.reader() == V.reader() && D == 64 && Dv == 64 ? K.reader() : DECODE_TILES;
-  const std::vector<int64_t> order = task_order(runs, p.heads == kvh ? 1 : kvh);
+  const std::vector<int64_t> order = task_order(runs, kvh / p.heads);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(order.size()));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
