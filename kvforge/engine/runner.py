@@ -99,7 +99,7 @@ class ModelRunner:
             first += 1 + len(seq.draft_token_ids)
         plain = [i for i, seq in enumerate(sampled_seqs) if not seq.draft_token_ids]
         plain_rows = [rows[i][0] for i in plain]
-        plain_logits = logits if plain_rows == list(range(len(logits))) else logits[plain_rows]  # no copy in plain decode
+        plain_logits = logits if len(plain_rows) == len(logits) else logits[plain_rows]  # no drafts: every row, no copy
         plain_tokens = sample(plain_logits, [sampled_seqs[i] for i in plain]) if plain else []
         emitted = dict(zip(plain, ([t] for t in plain_tokens)))
         for i, seq in enumerate(sampled_seqs):
