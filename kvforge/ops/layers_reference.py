@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvforge.ops.panels import unpack_panels
 from kvforge.rope import rotate_half
 
 
@@ -32,6 +33,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, weight, bias)
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """csrc/panel_matmul.cpp: x @ W^T (+ bias) with W given as ops/panels.py's [P, K, 16] panels of n columns."""
+    return F.linear(x, unpack_panels(panels, n), bias)
 
 
 def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -32,7 +32,3 @@ def panels(weight: torch.Tensor) -> torch.Tensor | None:
         cached = pack_panels(weight.detach())
     setattr(weight, ATTRIBUTE, cached)
     return cached
-
-
-def panel_linear_reference(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, unpack_panels(panels, n), bias)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from kvforge.ops import layers_reference, reference
-from kvforge.ops.panels import panel_linear_reference
 
 LIB = torch.library.Library("kvforge", "FRAGMENT")
 LIB.define("paged_decode(Tensor q, Tensor block_table, Tensor context_lens, float scale, int window, "
@@ -25,7 +24,7 @@ LIB.impl("silu_mul", layers_reference.silu_mul, "CompositeExplicitAutograd")
 LIB.define("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 LIB.impl("small_linear", layers_reference.linear, "CompositeExplicitAutograd")
 LIB.define("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor")
-LIB.impl("panel_linear", panel_linear_reference, "CompositeExplicitAutograd")
+LIB.impl("panel_linear", layers_reference.panel_linear, "CompositeExplicitAutograd")
 LIB.define("layer_bridge(Tensor? attn, Tensor(a!) residual, Tensor cos, Tensor sin, Tensor[] post, Tensor[] pre, "
            "int heads, int kv_heads, float eps, Tensor(b!)[] kv_write) -> Tensor")
 LIB.impl("layer_bridge", layers_reference.layer_bridge, "CompositeExplicitAutograd")

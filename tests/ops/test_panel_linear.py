@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from thread_count import threads
 
+from kvforge.ops import layers_reference
 from kvforge.ops.build import load_compiled
-from kvforge.ops.panels import pack_panels, panel_linear_reference, unpack_panels
+from kvforge.ops.panels import pack_panels, unpack_panels
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,7 +36,7 @@ def test_matches_f_linear(rows, n, k):
     for bias in (b, None):
         got = torch.ops.kvforge.panel_linear(x, p, n, bias)
         torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-4, atol=atol)
-        torch.testing.assert_close(panel_linear_reference(x, p, n, bias), F.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layers_reference.panel_linear(x, p, n, bias), F.linear(x, w, bias), rtol=1e-4, atol=1e-4)
 
 
 def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_thread_count():
@@ -44,13 +46,9 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_thread_count():
     whole = torch.ops.kvforge.panel_linear(x, p, 1000, b)
     for lo, hi in [(0, 1), (5, 6), (3, 20), (40, 53)]:
         assert torch.equal(torch.ops.kvforge.panel_linear(x[lo:hi], p, 1000, b), whole[lo:hi])
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 3):
-            torch.set_num_threads(threads)
+    for n in (1, 3):
+        with threads(n):
             assert torch.equal(torch.ops.kvforge.panel_linear(x, p, 1000, b), whole)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_refuses_a_column_count_the_panels_do_not_hold():
