@@ -9,18 +9,18 @@
 
 namespace kvforge {
 
+constexpr float kExpLog2e = 1.44269504088896341f, kExpLn2Hi = 0.693359375f, kExpLn2Lo = -2.12194440e-4f;
+constexpr float kExpRound = 12582912.f;  // 1.5 * 2**23: adding and subtracting it rounds to an integer
+constexpr float kExpFloor = -87.f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float exp_nonpositive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  constexpr float kRound = 12582912.f;  // 1.5 * 2**23: adding and subtracting it rounds to an integer
-  x = x < -87.f ? -87.f : x;
-  const float n = (x * kLog2e + kRound) - kRound;
-  const float f = (x - n * kLn2Hi) - n * kLn2Lo;
-  float p = 1.9875691500e-4f;
-  p = p * f + 1.3981999507e-3f;
-  p = p * f + 8.3334519073e-3f;
-  p = p * f + 4.1665795894e-2f;
-  p = p * f + 1.6666665459e-1f;
-  p = p * f + 5.0000001201e-1f;
+  x = x < kExpFloor ? kExpFloor : x;
+  const float n = (x * kExpLog2e + kExpRound) - kExpRound;
+  const float f = (x - n * kExpLn2Hi) - n * kExpLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * f + kExpPoly[i];
   p = p * f * f + f + 1.f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -247,16 +247,12 @@ inline float dot1(const float* q, const typename L::T* k) {
 #ifdef __AVX512F__
 // exp_nonpositive on 16 lanes, the same steps.
 inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 round = _mm512_set1_ps(12582912.f);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), round), round);
-  const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 round = _mm512_set1_ps(kExpRound);
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kExpLog2e), round), round);
+  const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kExpLn2Lo), _mm512_fnmadd_ps(n, _mm512_set1_ps(kExpLn2Hi), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, f), f, f), _mm512_set1_ps(1.f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
