@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from thread_count import threads
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
@@ -94,14 +95,10 @@ def test_thread_count_does_not_change_a_value():
     post, pre, _, gen = _weights(7, 128, False, True)
     attn, residual = torch.randn(5, HEADS * DIM, generator=gen), torch.randn(5, HIDDEN, generator=gen)
     cos, sin = torch.ones(5, DIM), torch.zeros(5, DIM)
-    threads = torch.get_num_threads()
     outs = []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
+    for n in (1, 2, 3):
+        with threads(n):
             outs.append(_run(torch.ops.kvforge.layer_bridge, attn, residual, cos, sin, post, pre))
-    finally:
-        torch.set_num_threads(threads)
     for out, res in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(res, outs[0][1])
 

@@ -3,12 +3,12 @@
 Caches are filled through each format's own write path in random chunks, so blocks end up as codes,
 in staging entries (partly filled and full), with sink entries and outliers, as in the engine.
 """
-import contextlib
 import math
 import zlib
 
 import pytest
 import torch
+from thread_count import threads
 
 from kvforge.kv.formats import get_format
 from kvforge.kv.spec import KVCacheSpec
@@ -51,17 +51,6 @@ def filled_cache(name, opts, kv_heads, gen):
     return cache, table
 
 
-@contextlib.contextmanager
-def threads(n):
-    """One thread puts all of a sequence's KV heads in one task (5 sequences are enough runs); two split them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def gathered_attention(q, cache, table, lens, scale, window):
     """The decode math of attention.py over LayerKV.gather (the torch path the engine runs without the op)."""
     k, v = cache.gather(table.flatten())
@@ -89,7 +78,7 @@ def test_compiled_matches_torch_path(compiled, name, opts, shape):
     for window in (0, 20):
         want = gathered_attention(q, cache, table, lens, 0.125, window)
         got = []
-        for n in (1, 2):
+        for n in (1, 2):  # one thread puts a sequence's KV heads in one task (5 sequences suffice); two split them
             with threads(n):
                 got.append(torch.ops.kvforge.paged_decode(q, table, lens, 0.125, window, *op_args(raw)))
         torch.testing.assert_close(got[0], want, atol=2e-5, rtol=1e-4)
@@ -117,7 +106,7 @@ def test_multi_query_matches_one_decode_row_per_query(compiled, name, opts, shap
     for window in (0, 20):
         want = gathered_attention(q, cache, table[seq], own, 0.125, window)
         got = []
-        for n in (1, 2):
+        for n in (1, 2):  # one thread puts a sequence's KV heads in one task (5 sequences suffice); two split them
             with threads(n):
                 got.append(torch.ops.kvforge.paged_attend(q, starts, table, torch.tensor(LENS), 0.125, window,
                                                           *op_args(raw)))
