@@ -14,6 +14,7 @@
 #include <numeric>
 #include <type_traits>
 
+#include "packed_rows.h"
 #include "tiles.h"
 #include "vmath.h"
 
@@ -113,10 +114,11 @@ bool overlaid(const Problem& p, int64_t blk) {
 // head of that KV head (rows i * G + g); each row keeps its own online softmax over its own causal range.
 // L (a vmath.h row reader, DK == DV == 64): for tasks of a few query rows (decode), blocks without exact rows laid
 // over them are read in place, converted in the dot products and weighted sums; row scales (SCALED) multiply the
-// scores and the weights.
+// scores and the weights. L = PackedRows: 2- and 4-bit codes are read in place by packed_rows.h.
 // Above this many query rows per task, converting every row once into a tile costs less than converting it in
 // each row's dot product.
 constexpr int64_t IN_PLACE_ROWS = 6;
+static_assert(IN_PLACE_ROWS <= PACKED_MAX_ROWS, "packed rows take every in-place row count");
 // One-head tasks ask the cache for a block's rows this many blocks ahead. Tasks of all heads instead sweep each
 // block once before using it (Side::sweep): on fp32/fp16/int8/int4 caches at 64 sequences that took 10-40% off
 // the attention time against the prefetches, which were no help for rows this wide.
@@ -126,7 +128,7 @@ volatile float sweep_sink = 0.f;
 
 template <int DK, int DV, class L = void>
 void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<int64_t>& next) {
-  constexpr bool kInPlace = !std::is_void_v<L>;
+  constexpr bool kInPlace = !std::is_void_v<L>, kPacked = std::is_same_v<L, PackedRows>;
   const int64_t D = DK ? DK : p.D, Dv = DV ? DV : p.Dv, G = p.G, bs = p.bs, R = MAX_RUN * G, HT = p.heads;
   std::vector<float> kbuf((bs + 1) * D), vbuf((bs + 1) * Dv), qs(HT * R * D), s(R * bs), m(HT * R), l(HT * R);
   std::vector<float> acc(HT * R * Dv), alpha(R), kscale(bs), vscale(bs);
@@ -176,11 +178,12 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
         }
         int64_t ldk, ldv;
         const float* kt = in_place ? nullptr : load(p.K, p.staged.k, p.sinks.k, blk, h, t0, t1, kbuf.data(), &ldk);
-        for (int64_t i = 0; i < n; ++i) {
+        if (kPacked && in_place) packed_scores(p.K, blk, h, q, rows, t0, t1, s.data(), bs);
+        for (int64_t i = 0; i < n && !(kPacked && in_place); ++i) {
           for (int64_t g = i * G; r0s[i] < r1s[i] && g < (i + 1) * G; ++g) {
             int64_t r = r0s[i];
 #ifdef __AVX512F__
-            if constexpr (kInPlace) {
+            if constexpr (kInPlace && !kPacked) {
               if (in_place) {
                 const auto* kr = reinterpret_cast<const typename L::T*>(p.K.rows(blk, h));
                 const int64_t ld = p.K.row_stride();
@@ -197,7 +200,7 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
             for (; r < r1s[i]; ++r) s[g * bs + r] = dot(q + g * D, kt + r * ldk, D);
           }
         }
-        const bool scaled = in_place && p.K.kind == SCALED;
+        const bool scaled = in_place && !kPacked && p.K.kind == SCALED;
         if (scaled) {  // scores of in-place SCALED rows still lack their row's scale
           p.K.row_scales(blk, h, t0, t1, factor, kscale.data());
           p.V.row_scales(blk, h, t0, t1, factor, vscale.data());
@@ -216,7 +219,12 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
           }
         }
 #ifdef __AVX512F__
-        if constexpr (kInPlace) {
+        if constexpr (kPacked) {
+          if (in_place) {
+            packed_weigh(p.V, blk, h, s.data(), bs, t0, t1, alpha.data(), ah, rows);
+            continue;
+          }
+        } else if constexpr (kInPlace) {
           if (in_place) {
             if (scaled)
               for (int64_t g = 0; g < rows; ++g)
@@ -315,7 +323,9 @@ at::Tensor attend(const at::Tensor& q_in, const std::vector<int64_t>& starts, co
   const Problem p{K, V, staged, sinks, q.data_ptr<float>(), table.data_ptr<int64_t>(), runs,
                   out.data_ptr<float>(), H, table.size(1), H / kvh, kvh, bs, D, Dv, window,
                   static_cast<float>(scale), heads_per_task(runs.size(), kvh)};
-  const Reader reader = K.reader() == V.reader() && D == 64 && Dv == 64 ? K.reader() : DECODE_TILES;
+  const Reader reader = D != 64 || Dv != 64 ? DECODE_TILES
+                        : reads_packed(K, V)  ? READ_PACKED
+                        : K.reader() == V.reader() ? K.reader() : DECODE_TILES;
   const std::vector<int64_t> order = task_order(runs, kvh / p.heads);
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(order.size()));
   std::atomic<int64_t> next{0};
@@ -327,6 +337,7 @@ at::Tensor attend(const at::Tensor& q_in, const std::vector<int64_t>& starts, co
       case READ_INT8: return run_tasks<64, 64, Int8Rows>(p, order, next);
       case READ_E4M3: return run_tasks<64, 64, E4M3Rows>(p, order, next);
       case READ_E5M2: return run_tasks<64, 64, E5M2Rows>(p, order, next);
+      case READ_PACKED: return run_tasks<64, 64, PackedRows>(p, order, next);
       default: break;
     }
 #endif

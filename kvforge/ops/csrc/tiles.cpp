@@ -1,6 +1,7 @@
 #include "tiles.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "vmath.h"
@@ -41,6 +42,8 @@ float half_at(const uint8_t* p, int64_t i) { return static_cast<float>(reinterpr
 Side::Side(int64_t kind_, int64_t bits_, int64_t group_, int64_t bs_, int64_t heads_, int64_t dim_,
            const std::vector<at::Tensor>& parts)
     : kind(kind_), bits(bits_), group(group_), dim(dim_), heads(heads_), bs(bs_) {
+  static std::atomic<uint64_t> made{0};
+  serial = ++made;
   TORCH_CHECK(!parts.empty() && parts[0].is_contiguous(), "paged_decode: codes must be contiguous");
   dtype = parts[0].scalar_type();
   data = bytes(parts[0]);
@@ -58,6 +61,8 @@ Side::Side(int64_t kind_, int64_t bits_, int64_t group_, int64_t bs_, int64_t he
     index32 = parts[4].scalar_type() == at::kInt;
     out_value = reinterpret_cast<const c10::Half*>(bytes(parts[5]));
     n_out = parts[4].numel() ? parts[4].size(1) : 0;
+    if (n_out)
+      for (int64_t rh = 0; rh < bs * heads; ++rh) row_of.push_back(static_cast<int32_t>(rh / heads));
     if (scale_coded) std::copy_n(parts[6].data_ptr<float>(), 256, table);
   }
 }
@@ -161,19 +166,19 @@ void Side::uniform_rows_of(int64_t b, int64_t h, int64_t r0, int64_t r1, float* 
   TORCH_CHECK(dim <= 512, "paged_decode: uniform codes need head_dim <= 512");
   if (kind == UNIFORM_TOKEN) {
     const int64_t groups = dim / group;
+    TORCH_CHECK(groups <= 32, "paged_decode: per-token codes need at most 32 groups per row");
+    float gs[32], gz[32];
 #ifdef __AVX2__
     if constexpr (BITS == 2 || BITS == 4) {
       if (group % 16 == 0 && rb % 16 == 0) {  // whole 16-code chunks per group: its scale and zero broadcast
-        float gs[32], gz[32];
+        const int shift = __builtin_ctzll(group);
+        const bool pow2 = (group & (group - 1)) == 0;
         for (int64_t r = r0; r < r1; ++r) {
-          const int64_t row = (b * bs + r) * heads + h;
-          for (int64_t j = 0; j < groups; ++j) {
-            gs[j] = scale_coded ? table[scale[row * groups + j]] : half_at(scale, row * groups + j);
-            gz[j] = half_at(zero, row * groups + j);
-          }
+          token_params(b, h, r, r + 1, gs, gz);
           float* o = out + r * dim;
-          unpack_chunks<BITS>(data + row * rb, rb, [&](__m128i codes, int64_t e) {
-            store_group_codes(codes, o + e, gs[e / group], gz[e / group]);
+          unpack_chunks<BITS>(data + ((b * bs + r) * heads + h) * rb, rb, [&](__m128i codes, int64_t e) {
+            const int64_t j = pow2 ? e >> shift : e / group;
+            store_group_codes(codes, o + e, gs[j], gz[j]);
           });
         }
         return;
@@ -181,33 +186,51 @@ void Side::uniform_rows_of(int64_t b, int64_t h, int64_t r0, int64_t r1, float* 
     }
 #endif
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t row = (b * bs + r) * heads + h;
+      token_params(b, h, r, r + 1, gs, gz);
       for (int64_t j = 0; j < groups; ++j) {
-        const int64_t p = row * groups + j;
-        std::fill_n(s + j * group, group, scale_coded ? table[scale[p]] : half_at(scale, p));
-        std::fill_n(z + j * group, group, half_at(zero, p));
+        std::fill_n(s + j * group, group, gs[j]);
+        std::fill_n(z + j * group, group, gz[j]);
       }
-      unpack(data + row * rb, rb, out + r * dim, s, z);
+      unpack(data + ((b * bs + r) * heads + h) * rb, rb, out + r * dim, s, z);
     }
     return;
   }
+  channel_params(b, h, s, z);
+  for (int64_t r = r0; r < r1; ++r) unpack(data + ((b * bs + r) * heads + h) * rb, rb, out + r * dim, s, z);
+}
+
+void Side::channel_params(int64_t b, int64_t h, float* s, float* z) const {
   const int64_t p = (b * heads + h) * dim;
-  float base = 0.f, step = 0.f;
-  if (zero_coded) {
-    base = static_cast<float>(ends[(b * heads + h) * 2]);
-    step = std::max((static_cast<float>(ends[(b * heads + h) * 2 + 1]) - base) / 255.f, MIN_ZERO_STEP);
-  }
   if (scale_coded) {
-    for (int64_t c = 0; c < dim; ++c) s[c] = table[scale[p + c]];
+    int64_t c = 0;
+#ifdef __AVX512F__
+    for (; c + 16 <= dim; c += 16) {
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + p + c)));
+      _mm512_storeu_ps(s + c, _mm512_i32gather_ps(codes, table, 4));
+    }
+#endif
+    for (; c < dim; ++c) s[c] = table[scale[p + c]];
   } else {
     half_to_float(reinterpret_cast<const uint16_t*>(scale) + p, s, dim);
   }
   if (zero_coded) {
+    const float base = static_cast<float>(ends[(b * heads + h) * 2]);
+    const float step = std::max((static_cast<float>(ends[(b * heads + h) * 2 + 1]) - base) / 255.f, MIN_ZERO_STEP);
     for (int64_t c = 0; c < dim; ++c) z[c] = base + static_cast<float>(zero[p + c]) * step;
   } else {
     half_to_float(reinterpret_cast<const uint16_t*>(zero) + p, z, dim);
   }
-  for (int64_t r = r0; r < r1; ++r) unpack(data + ((b * bs + r) * heads + h) * rb, rb, out + r * dim, s, z);
+}
+
+void Side::token_params(int64_t b, int64_t h, int64_t r0, int64_t r1, float* s, float* z) const {
+  const int64_t groups = dim / group;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t p = ((b * bs + r) * heads + h) * groups, o = (r - r0) * groups;
+    for (int64_t j = 0; j < groups; ++j) {
+      s[o + j] = scale_coded ? table[scale[p + j]] : half_at(scale, p + j);
+      z[o + j] = half_at(zero, p + j);
+    }
+  }
 }
 
 void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const {
@@ -254,6 +277,44 @@ void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) co
       out[offset[rh] + (flat - rh * d)] = values[i];
     }
   }
+}
+
+const OutlierList& Side::outliers_of(int64_t b) const {
+  thread_local OutlierList lists[2];  // a call's key side and value side
+  const int slot = lists[0].side == serial ? 0 : lists[1].side == serial ? 1 : lists[0].side > lists[1].side;
+  OutlierList& o = lists[slot];
+  if (o.side == serial && o.block == b) return o;
+  o.side = serial;
+  o.block = b;
+  o.start.assign(heads + 1, 0);
+  o.row.resize(n_out);
+  o.channel.resize(n_out);
+  o.value.resize(n_out);
+  thread_local std::vector<int32_t> head, row, channel;
+  head.resize(n_out);
+  row.resize(n_out);
+  channel.resize(n_out);
+  const int shift = (dim & (dim - 1)) == 0 ? __builtin_ctzll(dim) : -1;
+  for (int64_t i = 0; i < n_out; ++i) {
+    const int64_t at = b * n_out + i;
+    const int64_t flat = index32 ? reinterpret_cast<const int32_t*>(out_index)[at]
+                                 : reinterpret_cast<const int16_t*>(out_index)[at];
+    const int64_t rh = shift >= 0 ? flat >> shift : flat / dim;
+    row[i] = row_of[rh];
+    head[i] = static_cast<int32_t>(rh - row[i] * heads);
+    channel[i] = static_cast<int32_t>(flat - rh * dim);
+    ++o.start[head[i] + 1];
+  }
+  for (int64_t h = 0; h < heads; ++h) o.start[h + 1] += o.start[h];
+  thread_local std::vector<int32_t> fill;
+  fill.assign(o.start.begin(), o.start.end() - 1);
+  for (int64_t i = 0; i < n_out; ++i) {
+    const int32_t at = fill[head[i]]++;
+    o.row[at] = row[i];
+    o.channel[at] = channel[i];
+    o.value[at] = static_cast<float>(out_value[b * n_out + i]);
+  }
+  return o;
 }
 
 Overlay::Overlay(const at::Tensor& entry, const at::Tensor& exact)

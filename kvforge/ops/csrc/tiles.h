@@ -15,7 +15,7 @@ namespace kvforge {
 enum Kind : int64_t { PLAIN = 0, SCALED = 1, UNIFORM_TOKEN = 2, UNIFORM_CHANNEL = 3 };
 
 // Formats whose rows a kernel reads in place, converting in registers (vmath.h's *Rows readers).
-enum Reader : int { DECODE_TILES = 0, READ_F16, READ_BF16, READ_INT8, READ_E4M3, READ_E5M2 };
+enum Reader : int { DECODE_TILES = 0, READ_F16, READ_BF16, READ_INT8, READ_E4M3, READ_E5M2, READ_PACKED };
 
 // Parts, in order, per kind (absent parts are empty tensors):
 //   PLAIN:            rows [N, bs, kvh, d] fp32 | fp16 | bf16
@@ -24,6 +24,14 @@ enum Reader : int { DECODE_TILES = 0, READ_F16, READ_BF16, READ_INT8, READ_E4M3,
 //                     -, outlier index [N, n] (int16 | int32), outlier value [N, n] fp16, scale table [256] fp32
 //   UNIFORM_CHANNEL:  codes, scale [N, kvh, d] (u8 code | fp16), zero [N, kvh, d] (u8 code | fp16),
 //                     ends [N, kvh, 2] fp16 (with u8 zeros), outlier index, outlier value, scale table
+// One block's outliers of one side, by head: entries [start[h], start[h + 1]) are head h's.
+struct OutlierList {
+  uint64_t side = 0;  // Side::serial
+  int64_t block = -1;
+  std::vector<int32_t> start, row, channel;
+  std::vector<float> value;
+};
+
 struct Side {
   int64_t kind = PLAIN, bits = 0, group = 0, dim = 0, heads = 0, bs = 0;
   at::ScalarType dtype = at::kFloat;
@@ -38,7 +46,9 @@ struct Side {
   bool index32 = false;
   const c10::Half* out_value = nullptr;
   int64_t n_out = 0;
+  uint64_t serial;   // distinct for every Side made (what cached per-block lists are kept for)
   float table[256];  // u8 scale code -> scale
+  std::vector<int32_t> row_of;  // with outliers: row of flat (row * heads + head) index
 
   Side(int64_t kind_, int64_t bits_, int64_t group_, int64_t bs_, int64_t heads_, int64_t dim_,
        const std::vector<at::Tensor>& parts);
@@ -53,21 +63,41 @@ struct Side {
   float sweep(int64_t b) const;
   // How a kernel may read this format's rows without a tile (DECODE_TILES: it may not).
   Reader reader() const;
-  // Row 0 of head h of block b in storage; row r is row_stride() elements further.
-  const uint8_t* rows(int64_t b, int64_t h) const { return data + (b * bs * heads + h) * dim * at::elementSize(dtype); }
+  // Row 0 of head h of block b in storage; row r is row_stride() elements (packed: heads * row_bytes() bytes) further.
+  const uint8_t* rows(int64_t b, int64_t h) const { return data + (b * bs * heads + h) * row_bytes(); }
   int64_t row_stride() const { return heads * dim; }
   // SCALED: out[r] = scale of row r of head h of block b, times factor, for r in [r0, r1).
   void row_scales(int64_t b, int64_t h, int64_t r0, int64_t r1, float factor, float* out) const;
-
- private:
+  // UNIFORM_CHANNEL: the fp32 scale and zero of each of head h's channels in block b.
+  void channel_params(int64_t b, int64_t h, float* s, float* z) const;
+  // UNIFORM_TOKEN: s[(r - r0) * groups + j], z[...] = the fp32 scale and zero of group j of row r of head h of
+  // block b, for r in [r0, r1).
+  void token_params(int64_t b, int64_t h, int64_t r0, int64_t r1, float* s, float* z) const;
+  // Packed code of channel c of row r of head h of block b.
+  int code_at(int64_t b, int64_t r, int64_t h, int64_t c) const {
+    const uint8_t byte = data[((b * bs + r) * heads + h) * row_bytes() + c * bits / 8];
+    return (byte >> (c * bits % 8)) & ((1 << bits) - 1);
+  }
+  // f(r, c, exact value) for each outlier of block b in head h and rows [r0, r1).
+  template <class F>
+  void each_outlier(int64_t b, int64_t h, int64_t r0, int64_t r1, F&& f) const {
+    const OutlierList& o = outliers_of(b);
+    for (int32_t i = o.start[h]; i < o.start[h + 1]; ++i)
+      if (o.row[i] >= r0 && o.row[i] < r1) f(o.row[i], o.channel[i], o.value[i]);
+  }
+  // Bytes of one row of one head in storage.
   int64_t row_bytes() const {
     return kind == UNIFORM_TOKEN || kind == UNIFORM_CHANNEL ? dim * bits / 8 : dim * at::elementSize(dtype);
   }
+
+ private:
   void scaled_rows(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const;
   void uniform_rows(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const;
   template <int BITS>
   void uniform_rows_of(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const;
   void outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const;
+  // Block b's outliers by head, made once per block (kept per thread for the last block of each side).
+  const OutlierList& outliers_of(int64_t b) const;
 };
 
 // Exact fp16 rows laid over decoded ones: entry_of [N] int32 (-1: none), rows [E, n, kvh, d] fp16.

@@ -1,0 +1,194 @@
+#include "packed_rows.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "vmath.h"
+
+namespace kvforge {
+
+#ifdef __AVX512F__
+namespace {
+
+constexpr int64_t DIM = 64, MAX_BLOCK = 64;
+
+// The 64 codes of one packed row as 4 vectors of 16 floats.
+template <int BITS>
+inline void widen_row(const uint8_t* src, __m512 c[4]) {
+  unpack_chunks<BITS>(src, DIM * BITS / 8, [&](__m128i codes, int64_t e) {
+    c[e / 16] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+  });
+}
+
+// Lane i = the sum of the 16 lanes of v[i].
+inline __m512 sum_each16(const __m512 v[16]) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+// folded[g] = q[g] * scale (per channel), bias[g] = q[g] . zero; rows of 16 keys at a time: each row's codes are
+// widened once for all query rows, whose 16 products per row are summed together at the end of the 16.
+template <int BITS, int ROWS>
+void scores_of(const Side& K, int64_t b, int64_t h, const float* q, int64_t t0, int64_t t1, float* s, int64_t ss) {
+  alignas(64) float scale[DIM], zero[DIM], folded[ROWS][DIM];
+  float bias[ROWS];
+  K.channel_params(b, h, scale, zero);
+  for (int g = 0; g < ROWS; ++g) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < DIM; c += 16) {
+      const __m512 qc = _mm512_loadu_ps(q + g * DIM + c);
+      _mm512_store_ps(folded[g] + c, _mm512_mul_ps(qc, _mm512_load_ps(scale + c)));
+      acc = _mm512_fmadd_ps(qc, _mm512_load_ps(zero + c), acc);
+    }
+    bias[g] = _mm512_reduce_add_ps(acc);
+  }
+  const uint8_t* rows = K.rows(b, h);
+  const int64_t ld = K.heads * K.row_bytes();
+  __m512 part[ROWS][16];
+  for (int g = 0; g < ROWS; ++g)
+    for (int i = 0; i < 16; ++i) part[g][i] = _mm512_setzero_ps();
+  for (int64_t r16 = t0 & ~int64_t{15}; r16 < t1; r16 += 16) {
+    const int64_t lo = std::max(t0, r16), hi = std::min(t1, r16 + 16);
+    for (int64_t r = lo; r < hi; ++r) {
+      __m512 c[4];
+      widen_row<BITS>(rows + r * ld, c);
+      for (int g = 0; g < ROWS; ++g) {
+        __m512 a = _mm512_mul_ps(c[0], _mm512_load_ps(folded[g]));
+        a = _mm512_fmadd_ps(c[1], _mm512_load_ps(folded[g] + 16), a);
+        a = _mm512_fmadd_ps(c[2], _mm512_load_ps(folded[g] + 32), a);
+        part[g][r - r16] = _mm512_fmadd_ps(c[3], _mm512_load_ps(folded[g] + 48), a);
+      }
+    }
+    for (int g = 0; g < ROWS; ++g)
+      _mm512_mask_storeu_ps(s + g * ss + r16, lanes(r16, lo, hi),
+                            _mm512_add_ps(sum_each16(part[g]), _mm512_set1_ps(bias[g])));
+  }
+  K.each_outlier(b, h, t0, t1, [&](int64_t r, int64_t c, float exact) {
+    const float off = exact - (scale[c] * K.code_at(b, r, h, c) + zero[c]);
+    for (int g = 0; g < ROWS; ++g) s[g * ss + r] += q[g * DIM + c] * off;
+  });
+}
+
+// Weights times each row's group scales are made for the whole block first, so the row loop only broadcasts them
+// from memory; the zeros' share, sum of weight times zero per group, is added once at the end.
+template <int BITS, int ROWS, int GROUPS>
+void weigh_of(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, int64_t t0, int64_t t1,
+              const float* alpha, float* acc) {
+  constexpr int CHUNKS_PER_GROUP = 4 / GROUPS;
+  const int64_t n = t1 - t0;
+  float scale[MAX_BLOCK * GROUPS], zero[MAX_BLOCK * GROUPS];
+  V.token_params(b, h, t0, t1, scale, zero);
+  float scaled[ROWS][MAX_BLOCK][GROUPS], zsum[ROWS][GROUPS] = {};
+  for (int g = 0; g < ROWS; ++g)
+    for (int64_t i = 0; i < n; ++i)
+      for (int j = 0; j < GROUPS; ++j) {
+        scaled[g][i][j] = w[g * ws + t0 + i] * scale[i * GROUPS + j];
+        zsum[g][j] += w[g * ws + t0 + i] * zero[i * GROUPS + j];
+      }
+  __m512 a[ROWS][4];
+  for (int g = 0; g < ROWS; ++g)
+    for (int k = 0; k < 4; ++k) a[g][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * k), _mm512_set1_ps(alpha[g]));
+  const uint8_t* rows = V.rows(b, h) + t0 * V.heads * V.row_bytes();
+  const int64_t ld = V.heads * V.row_bytes();
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 c[4];
+    widen_row<BITS>(rows + i * ld, c);
+    for (int g = 0; g < ROWS; ++g)
+      for (int k = 0; k < 4; ++k)
+        a[g][k] = _mm512_fmadd_ps(_mm512_set1_ps(scaled[g][i][k / CHUNKS_PER_GROUP]), c[k], a[g][k]);
+  }
+  for (int g = 0; g < ROWS; ++g)
+    for (int k = 0; k < 4; ++k)
+      _mm512_storeu_ps(acc + g * DIM + 16 * k, _mm512_add_ps(a[g][k], _mm512_set1_ps(zsum[g][k / CHUNKS_PER_GROUP])));
+  V.each_outlier(b, h, t0, t1, [&](int64_t r, int64_t c, float exact) {
+    const int64_t j = (r - t0) * GROUPS + c / (DIM / GROUPS);
+    const float off = exact - (scale[j] * V.code_at(b, r, h, c) + zero[j]);
+    for (int g = 0; g < ROWS; ++g) acc[g * DIM + c] += w[g * ws + r] * off;
+  });
+}
+
+template <int BITS, int ROWS>
+void weigh_groups(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, int64_t t0, int64_t t1,
+                  const float* alpha, float* acc) {
+  switch (DIM / V.group) {
+    case 1: return weigh_of<BITS, ROWS, 1>(V, b, h, w, ws, t0, t1, alpha, acc);
+    case 2: return weigh_of<BITS, ROWS, 2>(V, b, h, w, ws, t0, t1, alpha, acc);
+    default: return weigh_of<BITS, ROWS, 4>(V, b, h, w, ws, t0, t1, alpha, acc);
+  }
+}
+
+template <int BITS>
+void scores_rows(const Side& K, int64_t b, int64_t h, const float* q, int64_t rows, int64_t t0, int64_t t1,
+                 float* s, int64_t ss) {
+  switch (rows) {
+    case 1: return scores_of<BITS, 1>(K, b, h, q, t0, t1, s, ss);
+    case 2: return scores_of<BITS, 2>(K, b, h, q, t0, t1, s, ss);
+    case 3: return scores_of<BITS, 3>(K, b, h, q, t0, t1, s, ss);
+    case 4: return scores_of<BITS, 4>(K, b, h, q, t0, t1, s, ss);
+    case 5: return scores_of<BITS, 5>(K, b, h, q, t0, t1, s, ss);
+    default: return scores_of<BITS, 6>(K, b, h, q, t0, t1, s, ss);
+  }
+}
+
+template <int BITS>
+void weigh_rows_of(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, int64_t t0, int64_t t1,
+                   const float* alpha, float* acc, int64_t rows) {
+  switch (rows) {
+    case 1: return weigh_groups<BITS, 1>(V, b, h, w, ws, t0, t1, alpha, acc);
+    case 2: return weigh_groups<BITS, 2>(V, b, h, w, ws, t0, t1, alpha, acc);
+    case 3: return weigh_groups<BITS, 3>(V, b, h, w, ws, t0, t1, alpha, acc);
+    case 4: return weigh_groups<BITS, 4>(V, b, h, w, ws, t0, t1, alpha, acc);
+    case 5: return weigh_groups<BITS, 5>(V, b, h, w, ws, t0, t1, alpha, acc);
+    default: return weigh_groups<BITS, 6>(V, b, h, w, ws, t0, t1, alpha, acc);
+  }
+}
+
+void check_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1 && rows <= PACKED_MAX_ROWS, "packed rows: 1 to ", PACKED_MAX_ROWS, " query rows, got ", rows);
+}
+
+}  // namespace
+
+bool reads_packed(const Side& K, const Side& V) {
+  const bool widths = K.bits == V.bits && (K.bits == 2 || K.bits == 4);
+  return K.kind == UNIFORM_CHANNEL && V.kind == UNIFORM_TOKEN && widths && K.dim == DIM && V.dim == DIM &&
+         (V.group == 16 || V.group == 32 || V.group == 64) && V.bs <= MAX_BLOCK;
+}
+
+void packed_scores(const Side& K, int64_t b, int64_t h, const float* q, int64_t rows, int64_t t0, int64_t t1,
+                   float* s, int64_t ss) {
+  check_rows(rows);
+  if (K.bits == 4) scores_rows<4>(K, b, h, q, rows, t0, t1, s, ss);
+  else scores_rows<2>(K, b, h, q, rows, t0, t1, s, ss);
+}
+
+void packed_weigh(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, int64_t t0, int64_t t1,
+                  const float* alpha, float* acc, int64_t rows) {
+  check_rows(rows);
+  if (V.bits == 4) weigh_rows_of<4>(V, b, h, w, ws, t0, t1, alpha, acc, rows);
+  else weigh_rows_of<2>(V, b, h, w, ws, t0, t1, alpha, acc, rows);
+}
+
+#else
+
+bool reads_packed(const Side&, const Side&) { return false; }
+void packed_scores(const Side&, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t) {
+  TORCH_CHECK(false, "packed rows need AVX-512");
+}
+void packed_weigh(const Side&, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, const float*, float*,
+                  int64_t) {
+  TORCH_CHECK(false, "packed rows need AVX-512");
+}
+
+#endif
+
+}  // namespace kvforge
