@@ -114,11 +114,31 @@ void Side::prefetch(int64_t b, int64_t h) const {
   }
 }
 
+namespace {
+// Reads one byte of every cache line of [p, p + n) into x.
+void touch(const void* p, int64_t n, uint8_t& x) {
+  if (p == nullptr) return;
+  const uint8_t* c = static_cast<const uint8_t*>(p);
+  for (int64_t i = 0; i < n; i += 64) x ^= c[i];
+  if (n > 0) x ^= c[n - 1];
+}
+}  // namespace
+
 float Side::sweep(int64_t b) const {
   const int64_t bytes = bs * heads * row_bytes();
-  const uint8_t* p = data + b * bytes;
   uint8_t x = 0;
-  for (int64_t i = 0; i < bytes; i += 64) x ^= p[i];
+  touch(data + b * bytes, bytes, x);
+  if (kind == SCALED) touch(row_scale + b * bs * heads, bs * heads * 2, x);
+  if (kind == UNIFORM_TOKEN || kind == UNIFORM_CHANNEL) {
+    const int64_t per = kind == UNIFORM_TOKEN ? bs * heads * (dim / group) : heads * dim;
+    touch(scale + b * per * (scale_coded ? 1 : 2), per * (scale_coded ? 1 : 2), x);
+    touch(zero + b * per * (zero_coded ? 1 : 2), per * (zero_coded ? 1 : 2), x);
+    if (ends) touch(ends + b * heads * 2, heads * 4, x);
+  }
+  if (n_out) {
+    touch(out_index + b * n_out * (index32 ? 4 : 2), n_out * (index32 ? 4 : 2), x);
+    touch(out_value + b * n_out, n_out * 2, x);
+  }
   return x;
 }
 

@@ -58,8 +58,9 @@ struct Side {
   // Asks the cache for what tile(b, h, ...) will read (blocks sit at random places in the pool).
   void prefetch(int64_t b, int64_t h) const;
   // Reads every row of every head of block b once, front to back, so that the hardware prefetcher streams the
-  // block (software prefetches of a block's rows did not reach memory any sooner); returns a value that depends
-  // on the reads so that they happen.
+  // block (software prefetches of a block's rows did not reach memory any sooner), and a byte of every cache line
+  // of its parameters and outliers, so that their misses overlap instead of coming one by one (2- and 4-bit caches
+  // at 2k context: 10-20% off the attention time); returns a value that depends on the reads so that they happen.
   float sweep(int64_t b) const;
   // How a kernel may read this format's rows without a tile (DECODE_TILES: it may not).
   Reader reader() const;
