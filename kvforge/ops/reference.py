@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvforge.kv.quant.layer import overlay_exact
+from kvforge.kv.quant.overlay import overlay_exact
 from kvforge.kv.quant.scaled import ScaledCodec
 from kvforge.kv.quant.uniform import UniformCodec
 

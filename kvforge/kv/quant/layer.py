@@ -15,7 +15,9 @@ import torch
 from kvforge.kv.layer_format import LayerKV, RawKV
 from kvforge.kv.quant.block_io import QuantBlockIO
 from kvforge.kv.quant.codec import Codec
+from kvforge.kv.quant.overlay import overlay_exact
 from kvforge.kv.quant.sidetable import Claim, SideTable
+from kvforge.kv.quant.staging_op import stage_append
 from kvforge.kv.spec import KVCacheSpec
 
 EXACT_DTYPE = torch.float16
@@ -101,22 +103,10 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
     def _append_staged(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                        positions: torch.Tensor | None) -> bool:
         """A decode step's rows: when every row lands past the first row of a block that holds a staging entry,
-        and below no sink, store them there with a handful of ops and return True; else do nothing, return False."""
-        if not 0 < len(slots) <= FAST_ROWS:
-            return False
-        offs = [s % self.bs for s in slots.tolist()]
-        if 0 in offs or (self.sink is not None and positions is not None and min(positions.tolist()) < self.sinks):
-            return False
-        entries = self.stage.entry_of[slots.long() // self.bs].tolist()
-        if min(entries) < 0:
-            return False
-        at = torch.tensor([e * self.bs + o for e, o in zip(entries, offs)], device=slots.device)
-        for s, x in zip(self.stage_rows, (k, v)):
-            s.view(-1, *s.shape[2:]).index_copy_(0, at, x.float().to(EXACT_DTYPE))
-        full = [e for e, o in zip(entries, offs) if o == self.bs - 1]
-        if full:
-            self.stage_full[torch.tensor(full, device=slots.device)] = True
-        return True
+        and below no sink, store them there in one operator call and return True; else do nothing, return False."""
+        stage_v = self.stage_rows[1] if len(self.stage_rows) > 1 else None
+        return stage_append(slots, k, v, self.stage.entry_of, self.stage_rows[0], stage_v, self.stage_full, self.bs,
+                            FAST_ROWS, positions, self.sinks if self.sink is not None else 0)
 
     def _claim_stage(self, blocks: torch.Tensor) -> Claim:
         """Give blocks empty staging entries (full blocks first, then partial ones are flushed to make room)."""
@@ -288,10 +278,3 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
         sink = [self.sink.entry_of, *self.sink_rows] if self.sink is not None else []
         return RawKV(sides[0], sides[1], stage, sink)
 
-
-def overlay_exact(decoded: list[torch.Tensor], entries: torch.Tensor, exact: list[torch.Tensor]) -> None:
-    """Blocks with an entry (entries[i] >= 0) take that entry's exact rows over their first rows."""
-    hit = entries >= 0
-    if bool(hit.any()):
-        for x, s in zip(decoded, exact):
-            x[hit, : s.shape[1]] = s[entries[hit]].float()

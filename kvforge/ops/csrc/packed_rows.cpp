@@ -15,7 +15,7 @@ constexpr int64_t DIM = 64, MAX_BLOCK = 64;
 
 // The 64 codes of one packed row as 4 vectors of 16 floats.
 template <int BITS>
-inline void widen_row(const uint8_t* src, __m512 c[4]) {
+__attribute__((always_inline)) inline void widen_row(const uint8_t* src, __m512 c[4]) {
   unpack_chunks<BITS>(src, DIM * BITS / 8, [&](__m128i codes, int64_t e) {
     c[e / 16] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
   });
@@ -35,6 +35,29 @@ inline __m512 sum_each16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
 
+// A block's outliers in one head as replacement codes: in row r, the lanes set in mask[r][k] of the codes' 16-lane
+// vector k take the values code[r][16 k + lane], chosen so that decoding them (code * scale + zero) gives the exact
+// value. Folding then needs no correction afterwards.
+struct Patches {
+  bool any = false;
+  __mmask16 mask[MAX_BLOCK][4];
+  alignas(64) float code[MAX_BLOCK][DIM];
+
+  // value(r, c): the replacement code of channel c in row r.
+  template <class Value>
+  Patches(const Side& side, int64_t b, int64_t h, int64_t t0, int64_t t1, Value&& value) : any(side.n_out > 0) {
+    if (!any) return;
+    std::fill(&mask[t0][0], &mask[t1][0], __mmask16{0});
+    side.each_outlier(b, h, t0, t1, [&](int64_t r, int64_t c, float exact) {
+      code[r][c] = value(r, c, exact);
+      mask[r][c / 16] |= static_cast<__mmask16>(1u << (c % 16));
+    });
+  }
+  __attribute__((always_inline)) void apply(int64_t r, __m512 c[4]) const {
+    for (int k = 0; k < 4; ++k) c[k] = _mm512_mask_loadu_ps(c[k], mask[r][k], code[r] + 16 * k);
+  }
+};
+
 // folded[g] = q[g] * scale (per channel), bias[g] = q[g] . zero; rows of 16 keys at a time: each row's codes are
 // widened once for all query rows, whose 16 products per row are summed together at the end of the 16.
 template <int BITS, int ROWS>
@@ -51,6 +74,7 @@ void scores_of(const Side& K, int64_t b, int64_t h, const float* q, int64_t t0, 
     }
     bias[g] = _mm512_reduce_add_ps(acc);
   }
+  const Patches patches(K, b, h, t0, t1, [&](int64_t, int64_t c, float exact) { return (exact - zero[c]) / scale[c]; });
   const uint8_t* rows = K.rows(b, h);
   const int64_t ld = K.heads * K.row_bytes();
   __m512 part[ROWS][16];
@@ -61,6 +85,7 @@ void scores_of(const Side& K, int64_t b, int64_t h, const float* q, int64_t t0, 
     for (int64_t r = lo; r < hi; ++r) {
       __m512 c[4];
       widen_row<BITS>(rows + r * ld, c);
+      if (patches.any) patches.apply(r, c);
       for (int g = 0; g < ROWS; ++g) {
         __m512 a = _mm512_mul_ps(c[0], _mm512_load_ps(folded[g]));
         a = _mm512_fmadd_ps(c[1], _mm512_load_ps(folded[g] + 16), a);
@@ -72,10 +97,29 @@ void scores_of(const Side& K, int64_t b, int64_t h, const float* q, int64_t t0, 
       _mm512_mask_storeu_ps(s + g * ss + r16, lanes(r16, lo, hi),
                             _mm512_add_ps(sum_each16(part[g]), _mm512_set1_ps(bias[g])));
   }
-  K.each_outlier(b, h, t0, t1, [&](int64_t r, int64_t c, float exact) {
-    const float off = exact - (scale[c] * K.code_at(b, r, h, c) + zero[c]);
-    for (int g = 0; g < ROWS; ++g) s[g * ss + r] += q[g * DIM + c] * off;
-  });
+}
+
+// acc[g] = acc[g] * alpha[g] + sum over rows of scaled[g][row] times the row's codes, plus zsum[g] per group; the
+// accumulators stay in registers (no call in between to spill them).
+template <int BITS, int ROWS, int GROUPS, bool PATCHED>
+void accumulate(const uint8_t* rows, int64_t ld, int64_t t0, int64_t t1, const Patches& patches,
+                const float (&scaled)[ROWS][MAX_BLOCK][GROUPS], const float (&zsum)[ROWS][GROUPS], const float* alpha,
+                float* acc) {
+  constexpr int CHUNKS_PER_GROUP = 4 / GROUPS;
+  __m512 a[ROWS][4];
+  for (int g = 0; g < ROWS; ++g)
+    for (int k = 0; k < 4; ++k) a[g][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * k), _mm512_set1_ps(alpha[g]));
+  for (int64_t i = 0; i < t1 - t0; ++i) {
+    __m512 c[4];
+    widen_row<BITS>(rows + i * ld, c);
+    if constexpr (PATCHED) patches.apply(t0 + i, c);
+    for (int g = 0; g < ROWS; ++g)
+      for (int k = 0; k < 4; ++k)
+        a[g][k] = _mm512_fmadd_ps(_mm512_set1_ps(scaled[g][i][k / CHUNKS_PER_GROUP]), c[k], a[g][k]);
+  }
+  for (int g = 0; g < ROWS; ++g)
+    for (int k = 0; k < 4; ++k)
+      _mm512_storeu_ps(acc + g * DIM + 16 * k, _mm512_add_ps(a[g][k], _mm512_set1_ps(zsum[g][k / CHUNKS_PER_GROUP])));
 }
 
 // Weights times each row's group scales are made for the whole block first, so the row loop only broadcasts them
@@ -83,7 +127,6 @@ void scores_of(const Side& K, int64_t b, int64_t h, const float* q, int64_t t0, 
 template <int BITS, int ROWS, int GROUPS>
 void weigh_of(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, int64_t t0, int64_t t1,
               const float* alpha, float* acc) {
-  constexpr int CHUNKS_PER_GROUP = 4 / GROUPS;
   const int64_t n = t1 - t0;
   float scale[MAX_BLOCK * GROUPS], zero[MAX_BLOCK * GROUPS];
   V.token_params(b, h, t0, t1, scale, zero);
@@ -94,26 +137,14 @@ void weigh_of(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, i
         scaled[g][i][j] = w[g * ws + t0 + i] * scale[i * GROUPS + j];
         zsum[g][j] += w[g * ws + t0 + i] * zero[i * GROUPS + j];
       }
-  __m512 a[ROWS][4];
-  for (int g = 0; g < ROWS; ++g)
-    for (int k = 0; k < 4; ++k) a[g][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * k), _mm512_set1_ps(alpha[g]));
+  const Patches patches(V, b, h, t0, t1, [&](int64_t r, int64_t c, float exact) {
+    const int64_t j = (r - t0) * GROUPS + c / (DIM / GROUPS);
+    return (exact - zero[j]) / scale[j];
+  });
   const uint8_t* rows = V.rows(b, h) + t0 * V.heads * V.row_bytes();
   const int64_t ld = V.heads * V.row_bytes();
-  for (int64_t i = 0; i < n; ++i) {
-    __m512 c[4];
-    widen_row<BITS>(rows + i * ld, c);
-    for (int g = 0; g < ROWS; ++g)
-      for (int k = 0; k < 4; ++k)
-        a[g][k] = _mm512_fmadd_ps(_mm512_set1_ps(scaled[g][i][k / CHUNKS_PER_GROUP]), c[k], a[g][k]);
-  }
-  for (int g = 0; g < ROWS; ++g)
-    for (int k = 0; k < 4; ++k)
-      _mm512_storeu_ps(acc + g * DIM + 16 * k, _mm512_add_ps(a[g][k], _mm512_set1_ps(zsum[g][k / CHUNKS_PER_GROUP])));
-  V.each_outlier(b, h, t0, t1, [&](int64_t r, int64_t c, float exact) {
-    const int64_t j = (r - t0) * GROUPS + c / (DIM / GROUPS);
-    const float off = exact - (scale[j] * V.code_at(b, r, h, c) + zero[j]);
-    for (int g = 0; g < ROWS; ++g) acc[g * DIM + c] += w[g * ws + r] * off;
-  });
+  if (patches.any) accumulate<BITS, ROWS, GROUPS, true>(rows, ld, t0, t1, patches, scaled, zsum, alpha, acc);
+  else accumulate<BITS, ROWS, GROUPS, false>(rows, ld, t0, t1, patches, scaled, zsum, alpha, acc);
 }
 
 template <int BITS, int ROWS>

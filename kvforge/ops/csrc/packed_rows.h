@@ -1,7 +1,7 @@
 // 2- and 4-bit KV rows read in place by decode attention, with no decoded tile. Keys quantized per channel over a
 // block fold their parameters into the query (q . k = (q * scale) . code + q . zero); values quantized per token
-// in groups fold theirs into the weight (w * v = (w * scale) code + w * zero). Codes are widened in registers, and
-// dense-and-sparse outliers are corrected afterwards (exact minus decoded, times the query or the weight).
+// in groups fold theirs into the weight (w * v = (w * scale) code + w * zero). Codes are widened in registers;
+// dense-and-sparse outliers replace their lanes with the code that decodes to the exact value.
 #pragma once
 
 #include "tiles.h"

@@ -300,39 +300,41 @@ void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) co
 }
 
 const OutlierList& Side::outliers_of(int64_t b) const {
-  thread_local OutlierList lists[2];  // a call's key side and value side
+  struct Scratch {
+    OutlierList lists[2];  // a call's key side and value side
+    std::vector<int32_t> head, row, channel, fill;
+    std::vector<float> value;
+  };
+  thread_local Scratch t;
+  OutlierList* lists = t.lists;
   const int slot = lists[0].side == serial ? 0 : lists[1].side == serial ? 1 : lists[0].side > lists[1].side;
   OutlierList& o = lists[slot];
   if (o.side == serial && o.block == b) return o;
   o.side = serial;
   o.block = b;
   o.start.assign(heads + 1, 0);
-  o.row.resize(n_out);
-  o.channel.resize(n_out);
+  for (auto* v : {&o.row, &o.channel, &t.head, &t.row, &t.channel}) v->resize(n_out);
   o.value.resize(n_out);
-  thread_local std::vector<int32_t> head, row, channel;
-  head.resize(n_out);
-  row.resize(n_out);
-  channel.resize(n_out);
+  t.value.resize(n_out);
+  half_to_float(reinterpret_cast<const uint16_t*>(out_value + b * n_out), t.value.data(), n_out);
   const int shift = (dim & (dim - 1)) == 0 ? __builtin_ctzll(dim) : -1;
+  const int16_t* index16 = reinterpret_cast<const int16_t*>(out_index) + b * n_out;
+  const int32_t* index32_ = reinterpret_cast<const int32_t*>(out_index) + b * n_out;
   for (int64_t i = 0; i < n_out; ++i) {
-    const int64_t at = b * n_out + i;
-    const int64_t flat = index32 ? reinterpret_cast<const int32_t*>(out_index)[at]
-                                 : reinterpret_cast<const int16_t*>(out_index)[at];
+    const int64_t flat = index32 ? index32_[i] : index16[i];
     const int64_t rh = shift >= 0 ? flat >> shift : flat / dim;
-    row[i] = row_of[rh];
-    head[i] = static_cast<int32_t>(rh - row[i] * heads);
-    channel[i] = static_cast<int32_t>(flat - rh * dim);
-    ++o.start[head[i] + 1];
+    t.row[i] = row_of[rh];
+    t.head[i] = static_cast<int32_t>(rh - t.row[i] * heads);
+    t.channel[i] = static_cast<int32_t>(flat - rh * dim);
+    ++o.start[t.head[i] + 1];
   }
   for (int64_t h = 0; h < heads; ++h) o.start[h + 1] += o.start[h];
-  thread_local std::vector<int32_t> fill;
-  fill.assign(o.start.begin(), o.start.end() - 1);
+  t.fill.assign(o.start.begin(), o.start.end() - 1);
   for (int64_t i = 0; i < n_out; ++i) {
-    const int32_t at = fill[head[i]]++;
-    o.row[at] = row[i];
-    o.channel[at] = channel[i];
-    o.value[at] = static_cast<float>(out_value[b * n_out + i]);
+    const int32_t at = t.fill[t.head[i]]++;
+    o.row[at] = t.row[i];
+    o.channel[at] = t.channel[i];
+    o.value[at] = t.value[i];
   }
   return o;
 }
