@@ -1,11 +1,11 @@
-"""A Llama-family forward for decode-sized steps through the compiled layer bridge (ops/layer_bridge.py): per
+"""A Llama-family forward for decode and verification steps through the compiled layer bridge (ops/layer_bridge.py): per
 layer, the KV write and attention stay as the model runs them (every KV format, policy and attention path), and
 one operator call does everything between two attentions. Same results as the per-op forward (same kernels)."""
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -15,7 +15,8 @@ from kvforge.kv.formats import PlainLayerKV
 from kvforge.kv.pool import KVPool
 from kvforge.models.int8_weights import INT8, is_quantized
 from kvforge.ops.int8 import compiled_for
-from kvforge.ops.layer_bridge import layer_bridge, serves
+from kvforge.ops.layer_bridge import BRIDGE_ROWS, layer_bridge, serves
+from kvforge.ops.panels import PANEL, panels
 
 
 @dataclass
@@ -28,6 +29,7 @@ class BridgeWeights:
 
 
 _WEIGHTS: weakref.WeakKeyDictionary[nn.Module, BridgeWeights | None] = weakref.WeakKeyDictionary()
+_WIDE: weakref.WeakKeyDictionary[nn.Module, BridgeWeights | None] = weakref.WeakKeyDictionary()
 
 
 def _parts(weight: torch.Tensor) -> list[torch.Tensor]:
@@ -66,9 +68,26 @@ need an MLP width divisible by 4)."""
     return _WEIGHTS[model]
 
 
+def _wide_weights(model: nn.Module) -> BridgeWeights | None:
+    """_weights with every fp32 projection as its panel copy (ops/panels.py, the one the per-op path uses at these
+    row counts), for steps of more than BRIDGE_ROWS rows; None for int8 weights or widths not in whole panels."""
+    if model not in _WIDE:
+        base = _weights(model)
+        linears = [] if base is None else [w for p in base.pre for w in p[1:2]] + [
+            w for p in base.post for w in (p[0], p[4], p[6])]
+        ok = base is not None and not base.int8 and all(w.shape[0] % PANEL == 0 for w in linears)
+        _WIDE[model] = replace(
+            base, pre=[[n, panels(w), s, b] for n, w, s, b in base.pre],
+            post=[[panels(o), os, ob, ln, panels(gu), gus, panels(d), ds] for o, os, ob, ln, gu, gus, d, ds in base.post]
+        ) if ok else None
+    return _WIDE[model]
+
+
 def bridged(model: nn.Module, x: torch.Tensor) -> BridgeWeights | None:
     """The model's bridge weights when this step (embeddings x) can run through the bridge, else None."""
-    weights = _weights(model) if serves(x) else None
+    if not serves(x):
+        return None
+    weights = _weights(model) if x.shape[0] <= BRIDGE_ROWS else _wide_weights(model)
     return None if weights is None or (weights.int8 and not compiled_for(x)) else weights
 
 

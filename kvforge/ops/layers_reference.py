@@ -47,7 +47,8 @@ def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.T
     output) and post = [o_w, o_scale, o_bias, norm_w, gate_up_w, gate_up_scale, down_w, down_scale], the rest of
     the layer; then pre = [norm_w, qkv_w, qkv_scale, qkv_bias]: the next layer's input norm, fused q/k/v projection
     and RoPE on its q and k heads, or pre = [norm_w]: the final norm. A linear with a non-empty scale has int8
-    weights packed by ops/int8.py; empty tensors stand for no scale or bias. `residual` is added to in place.
+    weights packed by ops/int8.py, a 3-dim fp32 weight is ops/panels.py's panels; empty tensors stand for no
+    scale or bias. `residual` is added to in place.
     kv_write = [k_cache, v_cache, slots] (a plain cache, [blocks, block_size, kv_heads, dim]) also stores the next
     layer's new K and V rows at their slots."""
     if attn is not None:
@@ -75,4 +76,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         from kvforge.ops.int8 import int8_linear_reference
 
         return int8_linear_reference(x, weight, scale, bias)
+    if weight.dim() == 3:
+        return panel_linear(x, weight, weight.shape[0] * weight.shape[2], bias)
     return F.linear(x, weight, bias)

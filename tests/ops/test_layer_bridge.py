@@ -13,7 +13,8 @@ from kvforge.models import bridged
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.ops import int8, layers_reference
-from kvforge.ops.layer_bridge import serves
+from kvforge.ops.layer_bridge import BRIDGE_ROWS, serves
+from kvforge.ops.panels import pack_panels
 from kvforge.sampling_params import SamplingParams
 
 HIDDEN, HEADS, KV_HEADS, DIM, EPS = 64, 4, 2, 16, 1e-5
@@ -70,6 +71,23 @@ def test_bridge_matches_the_reference(quantized, rows, inter, bias):
         torch.testing.assert_close(got_res, want_res, **tol)
 
 
+@pytest.mark.parametrize("rows", [9, 24, 64])
+@pytest.mark.parametrize("inter,bias", [(128, False), (96, True)])
+def test_bridge_on_panel_weights_matches_the_reference(rows, inter, bias):
+    """Steps of more rows pass the fp32 weights as ops/panels.py's panels."""
+    post, pre, final, gen = _weights(rows + inter, inter, False, bias)
+    post = [pack_panels(t) if i in (0, 4, 6) else t for i, t in enumerate(post)]
+    pre = [pack_panels(t) if i == 1 else t for i, t in enumerate(pre)]
+    attn = torch.randn(rows, HEADS * DIM, generator=gen)
+    residual = torch.randn(rows, HIDDEN, generator=gen)
+    angles = torch.randn(rows, DIM // 2, generator=gen).repeat(1, 2)
+    for a, p_post, p_pre in [(None, [], pre), (attn, post, pre), (attn, post, final)]:
+        got, got_res = _run(torch.ops.kvforge.layer_bridge, a, residual, angles.cos(), angles.sin(), p_post, p_pre)
+        want, want_res = _run(layers_reference.layer_bridge, a, residual, angles.cos(), angles.sin(), p_post, p_pre)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_res, want_res, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_bridge_stores_the_next_layers_k_and_v_as_the_cache_write_would(dtype):
     post, pre, _, gen = _weights(11, 128, False, True)
@@ -122,10 +140,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [[(5 * i + j) % 90 + 3 for j in range(4 + 7 * i)] for i in range(3)]
 
 
-def _generate(loaded, speculative=None):
+def _generate(loaded, speculative=None, prompts=PROMPTS):
     engine = LLMEngine(EngineConfig(block_size=8, max_model_len=64, kv_cache_memory=1 << 22,
                                     enable_prefix_caching=False, speculative=speculative), loaded)
-    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
@@ -155,3 +173,20 @@ def test_engine_tokens_same_through_the_bridge(tiny_loaded, monkeypatch, weights
     off = _generate(loaded, speculative)
     assert not calls
     assert on == off
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_min": 1}], ids=["plain", "ngram"])
+def test_steps_of_many_rows_take_the_bridge_on_panels_with_the_same_tokens(tiny_loaded, monkeypatch, speculative):
+    prompts = [[(3 * i + j) % 90 + 3 for j in range(3 + 2 * i)] for i in range(12)]
+    rows = []
+    real = bridged.layer_bridge
+    def spy(*args):
+        rows.append(args[1].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(bridged, "layer_bridge", spy)
+    on = _generate(tiny_loaded, speculative, prompts)
+    assert max(rows) > BRIDGE_ROWS  # decode steps of all 12 sequences ran through it
+    monkeypatch.setattr(LlamaForCausalLM, "use_bridge", False)
+    assert on == _generate(tiny_loaded, speculative, prompts)

@@ -3,7 +3,9 @@
 // layer's input norm, its fused q/k/v projection and RoPE on q and k (or, after the last layer, the final norm).
 // The threads split each matmul's output rows and meet at a barrier between phases, where the per-op path crossed
 // Python and forked the threads five times a layer. Each value is computed by the same row functions as the
-// per-op kernels (rows.h, small_matmul.h, int8_matmul.h), so the two paths give the same floats.
+// per-op kernels (rows.h, small_matmul.h, int8_matmul.h), so the two paths give the same floats. Steps of tens of
+// rows (batched decode, speculative verification) pass the weights as panels and take panel_matmul.h's tiles, as
+// the per-op path does at those row counts.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -15,6 +17,7 @@
 #include <algorithm>
 
 #include "int8_matmul.h"
+#include "panel_matmul.h"
 #include "rows.h"
 #include "small_matmul.h"
 
@@ -22,9 +25,11 @@ namespace kvforge {
 namespace {
 
 #if defined(__AVX512F__)
-// A linear layer's weight: fp32 [N, K], or (int8 weights) packed int8 as ops/int8.py's pack with one scale per row.
+// A linear layer's weight: fp32 [N, K], fp32 panels [N / 16, K, 16] (ops/panels.py, for steps of more rows), or
+// (int8 weights) packed int8 as ops/int8.py's pack with one scale per row.
 struct Linear {
   const float* w = nullptr;
+  const float* panels = nullptr;
   const int8_t* q = nullptr;
   const float* scale = nullptr;
   const float* bias = nullptr;
@@ -48,9 +53,14 @@ Linear linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor&
 #else
     TORCH_CHECK(false, "layer_bridge: int8 weights need AVX-512 VNNI");
 #endif
+  } else if (w.dim() == 3) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.size(1) == K && w.size(2) == kPanel,
+                "layer_bridge: ", name, " panels must be fp32 [N / 16, ", K, ", 16]");
+    lin.N = w.size(0) * kPanel;
+    lin.panels = w.data_ptr<float>();
   } else {
     TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) == K,
-                "layer_bridge: ", name, " weight must be fp32 [N, ", K, "]");
+                "layer_bridge: ", name, " weight must be fp32 [N, ", K, "] or panels [N / 16, ", K, ", 16]");
     lin.N = w.size(0);
     lin.w = w.data_ptr<float>();
   }
@@ -72,12 +82,14 @@ inline void share(int64_t n, int tid, int nt, int64_t* lo, int64_t* hi) {
   *hi = n * (tid + 1) / nt;
 }
 
-// Columns col + [r0, r1) of y [M, stride] = x [M, K] @ W rows col + [r0, r1) + bias; for int8 weights r0, r1 on
-// tile boundaries (4 rows) or at the end of the weight.
+// Columns col + [r0, r1) of y [M, stride] = x [M, K] @ W rows col + [r0, r1) + bias; r0, r1 on unit_of boundaries
+// or at the end of the weight (panels: stride == N).
 void rows_of(const Linear& lin, const float* x, const QuantizedRows* xq, int64_t M, float* y, int64_t stride,
              int64_t col, int64_t r0, int64_t r1) {
   if (r0 >= r1) return;
-  if (lin.w) {
+  if (lin.panels) {
+    panel_range(x, lin.panels, nullptr, y, M, lin.K, stride, (col + r0) / kPanel, (col + r1 + kPanel - 1) / kPanel);
+  } else if (lin.w) {
     linear_rows(x, lin.w + col * lin.K, y + col, M, lin.K, stride, r0, r1);
   } else {
 #if KVFORGE_INT8_VNNI
@@ -89,7 +101,7 @@ void rows_of(const Linear& lin, const float* x, const QuantizedRows* xq, int64_t
       for (int64_t r = r0; r < r1; ++r) y[m * stride + col + r] += lin.bias[col + r];
 }
 
-int64_t unit_of(const Linear& lin) { return lin.w ? kLinearUnit : kTile; }
+int64_t unit_of(const Linear& lin) { return lin.panels ? kPanel * kPanelsPerTile : lin.w ? kLinearUnit : kTile; }
 
 // This thread's unit-aligned share of `rows` output rows.
 void row_share(const Linear& lin, int64_t rows, int tid, int nt, int64_t* r0, int64_t* r1) {
@@ -183,9 +195,10 @@ at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor
     gate_up = linear_of(post[4], post[5], at::Tensor(), hidden, "gate_up");
     inter = gate_up.N / 2;
     down = linear_of(post[6], post[7], at::Tensor(), inter, "down");
-    TORCH_CHECK(gate_up.N == 2 * inter && down.N == hidden && (gate_up.w || inter % kTile == 0),
+    TORCH_CHECK(gate_up.N == 2 * inter && down.N == hidden && (gate_up.w || inter % kTile == 0) &&
+                    (!gate_up.panels || inter % kPanel == 0),
                 "layer_bridge: gate_up must be [2 * inter, hidden] and down [hidden, inter], inter a multiple of 4 "
-                "for int8 weights");
+                "for int8 weights and of 16 for panels");
   }
   const float* ln1 = norm_of(pre[0], hidden, "input (or final) norm");
   const bool last = pre.size() == 1;

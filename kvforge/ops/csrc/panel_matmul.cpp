@@ -12,6 +12,8 @@
 
 #include <algorithm>
 
+#include "panel_matmul.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -19,8 +21,6 @@
 namespace kvforge {
 namespace {
 
-constexpr int64_t kPanel = 16;      // output columns per panel
-constexpr int64_t kPanelsPerTile = 3;
 constexpr int64_t kRowsPerTile = 8;
 constexpr int64_t kL2Floats = 131072;  // rows of x per block: 512 KB, so that every panel triple finds them in L2
 
@@ -63,7 +63,8 @@ void rows_tile(int64_t mr, const float* x, const float* panels, const float* bia
   }
 }
 
-// All rows of x against panels [p0, p1): triple by triple, row tile by row tile.
+}  // namespace
+
 void panel_range(const float* x, const float* panels, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
                  int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
@@ -78,6 +79,8 @@ void panel_range(const float* x, const float* panels, const float* bias, float* 
     }
   }
 }
+
+namespace {
 #endif
 
 at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels_in, int64_t n,
