@@ -6,7 +6,7 @@ rejected, never committed), every step size once, in alternating order. Medians 
 wall time and in CPU time of the thread (`time.thread_time`, steadier on a shared machine), with the LM head's
 share split out, plus least-squares lines step_cpu = fixed + per_row * rows: the cost model of the adaptive
 speculation planner (engine/spec/step_cost.py). Where the layer bridge serves the model, steps of up to
-BRIDGE_ROWS rows and larger ones get a line each (verify_row_cost = per_row / fixed of the first; bridge_jump and
+BRIDGE_ROWS rows (weights streamed once for all rows) and larger ones (panel tiles) get a line each (verify_row_cost = per_row / fixed of the first; bridge_jump and
 bridge_row_cost place the second in the same unit); else one line over every size.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def verify_cost(loaded, ks: tuple[int, ...] = (1, 3, 5), rounds: int = 9, passag
                              "cpu_ms": 1e3 * statistics.median(c for _, _, c in t),
                              "vs_decode": statistics.median(w for w, _, _ in t) / base,
                              "cpu_vs_decode": statistics.median(c for _, _, c in t) / base_cpu,
-                             "path": "bridge" if limit is not None and size <= limit else "per_op"}
+                             "path": "streamed" if limit is not None and size <= limit else "panels"}
              for size, t in times.items()}
     cpu = {size: statistics.median(c for _, _, c in t) for size, t in times.items()}
     return {"batch": batch, "context_tokens": min(s.num_computed_tokens for s in seqs), "rounds": rounds,
@@ -107,16 +107,16 @@ def _fit(cpu: dict[int, float], limit: int | None) -> dict:
     if f1 <= 0:
         return out
     return {**out, "cpu_fixed_ms": 1e3 * f1, "cpu_per_row_ms": 1e3 * s1, "verify_row_cost": s1 / f1,
-            "per_op_cpu_fixed_ms": 1e3 * f2, "per_op_cpu_per_row_ms": 1e3 * s2,
+            "panels_cpu_fixed_ms": 1e3 * f2, "panels_cpu_per_row_ms": 1e3 * s2,
             "bridge_jump": (f2 - f1) / f1, "bridge_row_cost": s2 / f1}
 
 
 def planner_constants(single: dict, batch: dict) -> dict:
     """The planner's three constants from a batch-1 run (`single`: verify_row_cost, what a draft row adds to one
-    sequence's step) and a larger batch's run (`batch`): bridge_jump and bridge_row_cost such that a per-op step of R
+    sequence's step) and a larger batch's run (`batch`): bridge_jump and bridge_row_cost such that a panel step of R
     rows costs what was measured relative to that batch's plain (bridged) step, priced 1 + verify_row_cost x batch."""
     c, plain = single["verify_row_cost"], 1 + single["verify_row_cost"] * batch["batch"]
-    above = {int(name[4:]): row["cpu_vs_decode"] * plain for name, row in batch["steps"].items() if row["path"] == "per_op"}
+    above = {int(name[4:]): row["cpu_vs_decode"] * plain for name, row in batch["steps"].items() if row["path"] == "panels"}
     if len(above) < 2:
         return {"verify_row_cost": c}
     fixed, per_row = _line(list(above), list(above.values()))

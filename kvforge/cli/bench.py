@@ -268,9 +268,9 @@ def run_spec(args) -> int:
               + [(f"{key} verify_row_cost", (f'{c["verify_row_cost"]:.3f} (CPU {c["cpu_fixed_ms"]:.1f} ms + '
                                              f'{c["cpu_per_row_ms"]:.2f} ms per row)')) for key, c in r.items()
                  if key != "planner"]
-              + [(f"{key} bridge_jump, bridge_row_cost", (f'{c["bridge_jump"]:.3f}, {c["bridge_row_cost"]:.3f} (per-op '
-                                                          f'CPU {c["per_op_cpu_fixed_ms"]:.1f} ms + '
-                                                          f'{c["per_op_cpu_per_row_ms"]:.2f} ms per row)'))
+              + [(f"{key} bridge_jump, bridge_row_cost", (f'{c["bridge_jump"]:.3f}, {c["bridge_row_cost"]:.3f} (panels '
+                                                          f'CPU {c["panels_cpu_fixed_ms"]:.1f} ms + '
+                                                          f'{c["panels_cpu_per_row_ms"]:.2f} ms per row)'))
                  for key, c in r.items() if key != "planner" and "bridge_jump" in c]
               + [("planner constants", r["planner"])] * ("planner" in r))
         return 0

@@ -134,8 +134,8 @@ def test_verify_cost_fits_a_line_on_each_side_of_the_bridge(tiny_loaded):
     assert "bridge_jump" not in _fit(cpu, None) and "bridge_jump" not in _fit({1: 1.0, 2: 1.1, 9: 2.0}, 8)
     assert _spread(list("abc"), 2) == (["a", "b"], [0, 0]) and _spread(list("abc"), 8) == (list("abc"), [2, 2, 1])
     assert regime_rows(1) == (1, 2, 4, 6) and regime_rows(2) == (1, 2, 4, 6, 8, 9, 12)
-    steps = {"rows8": {"path": "bridge", "cpu_vs_decode": 1.0}, "rows9": {"path": "per_op", "cpu_vs_decode": 2.4 / 1.8},
-             "rows12": {"path": "per_op", "cpu_vs_decode": 2.7 / 1.8}}  # 1.5 + 0.1 r over a plain step of 1 + 0.1 x 8
+    steps = {"rows8": {"path": "streamed", "cpu_vs_decode": 1.0}, "rows9": {"path": "panels", "cpu_vs_decode": 2.4 / 1.8},
+             "rows12": {"path": "panels", "cpu_vs_decode": 2.7 / 1.8}}  # 1.5 + 0.1 r over a plain step of 1 + 0.1 x 8
     constants = planner_constants({"verify_row_cost": 0.1}, {"batch": 8, "steps": steps})
     assert constants == pytest.approx({"verify_row_cost": 0.1, "bridge_jump": 0.5, "bridge_row_cost": 0.1})
     r = verify_cost(tiny_loaded, rounds=1, prompt=list(range(5, 45)), batch=2, rows=(1, 2, 8, 9, 12))
@@ -143,7 +143,7 @@ def test_verify_cost_fits_a_line_on_each_side_of_the_bridge(tiny_loaded):
     if r["bridge_rows"] is None:
         return  # no compiled layer bridge here: one line
     assert {k: v["path"] for k, v in r["steps"].items()} == {
-        "rows1": "bridge", "rows2": "bridge", "rows8": "bridge", "rows9": "per_op", "rows12": "per_op"}
+        "rows1": "streamed", "rows2": "streamed", "rows8": "streamed", "rows9": "panels", "rows12": "panels"}
     assert r["bridge_rows"] == 8 and "bridge_jump" in r
 
 
