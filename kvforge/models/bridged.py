@@ -1,6 +1,7 @@
-"""A Llama-family forward for decode and verification steps through the compiled layer bridge (ops/layer_bridge.py): per
-layer, the KV write and attention stay as the model runs them (every KV format, policy and attention path), and
-one operator call does everything between two attentions. Same results as the per-op forward (same kernels)."""
+"""A Llama-family forward for decode and verification steps through the compiled layer bridge
+(ops/layer_bridge.py): per layer, the KV write and attention stay as the model runs them (every KV format, policy
+and attention path), and one operator call does everything between two attentions. Same results as the per-op
+forward (same kernels)."""
 from __future__ import annotations
 
 import weakref
@@ -73,8 +74,7 @@ def _wide_weights(model: nn.Module) -> BridgeWeights | None:
     row counts), for steps of more than BRIDGE_ROWS rows; None for int8 weights or widths not in whole panels."""
     if model not in _WIDE:
         base = _weights(model)
-        linears = [] if base is None else [w for p in base.pre for w in p[1:2]] + [
-            w for p in base.post for w in (p[0], p[4], p[6])]
+        linears = [] if base is None else [p[1] for p in base.pre] + [w for p in base.post for w in (p[0], p[4], p[6])]
         ok = base is not None and not base.int8 and all(w.shape[0] % PANEL == 0 for w in linears)
         _WIDE[model] = replace(
             base, pre=[[n, panels(w), s, b] for n, w, s, b in base.pre],

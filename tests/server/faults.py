@@ -1,5 +1,6 @@
 """Fault injection for server tests: a tiny random model with a character tokenizer, and an injector that makes
-the model forward (mid-model, after the first layer wrote its K/V), the sampler or the tokenizer raise on chosen
+the model forward (mid-model, after the first layer wrote its K/V: the last decoder layer's module, or the layer
+bridge's call after the last layer where the bridge serves the step), the sampler or the tokenizer raise on chosen
 or seeded-random calls."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import kvforge.engine.runner as runner_module
+import kvforge.models.bridged as bridged_module
 
 SPECIAL = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 (the tiny config's bos/eos are 1/2)
 CHARS = [chr(c) for c in range(32, 127) if chr(c) not in "`~"]  # 93 printable characters: ids 3..95
@@ -67,6 +69,12 @@ class FaultInjector:
         tokenizer = engine.tokenizer
         execute, sample, layer_forward = engine.runner.execute, runner_module.sample, layer.forward
         decode, encode = tokenizer.decode, tokenizer.encode
+        bridge = bridged_module.layer_bridge
+
+        def bridge_checked(attn, residual, cos, sin, post, pre, *rest):
+            if len(pre) == 1:  # the call after the last layer: every layer has written its K/V
+                self.check("forward")
+            return bridge(attn, residual, cos, sin, post, pre, *rest)
 
         def execute_noting_batch(batch):
             self._batch = [tuple(s.prompt_token_ids) for s in batch.seqs]
@@ -77,11 +85,13 @@ class FaultInjector:
                                                ("encode", encode)))
         engine.runner.execute, runner_module.sample, layer.forward = execute_noting_batch, sample_, forward
         tokenizer.decode, tokenizer.encode = decode_, encode_
+        bridged_module.layer_bridge = bridge_checked
         try:
             yield self
         finally:
             engine.runner.execute, runner_module.sample, layer.forward = execute, sample, layer_forward
             tokenizer.decode, tokenizer.encode = decode, encode
+            bridged_module.layer_bridge = bridge
 
     def _raising(self, site: str, fn):
         def wrapper(*args, **kwargs):

@@ -10,8 +10,8 @@ SCHEMA = ("stage_append(Tensor slots, Tensor k, Tensor? v, Tensor entry_of, Tens
 
 
 def stage_append_reference(slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, entry_of: torch.Tensor,
-                 stage_k: torch.Tensor, stage_v: torch.Tensor | None, stage_full: torch.Tensor, block_size: int,
-                 max_rows: int, positions: torch.Tensor | None, sinks: int) -> bool:
+                           stage_k: torch.Tensor, stage_v: torch.Tensor | None, stage_full: torch.Tensor,
+                           block_size: int, max_rows: int, positions: torch.Tensor | None, sinks: int) -> bool:
     """When 1..max_rows rows all land past the first row of a block that holds a staging entry (entry_of[block]
     >= 0) and at positions >= sinks, store them as fp16 rows of stage_k / stage_v [entries, block_size, ...], mark
     entries whose last row was written full, and return True; else change nothing and return False."""

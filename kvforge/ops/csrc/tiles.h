@@ -74,11 +74,6 @@ struct Side {
   // UNIFORM_TOKEN: s[(r - r0) * groups + j], z[...] = the fp32 scale and zero of group j of row r of head h of
   // block b, for r in [r0, r1).
   void token_params(int64_t b, int64_t h, int64_t r0, int64_t r1, float* s, float* z) const;
-  // Packed code of channel c of row r of head h of block b.
-  int code_at(int64_t b, int64_t r, int64_t h, int64_t c) const {
-    const uint8_t byte = data[((b * bs + r) * heads + h) * row_bytes() + c * bits / 8];
-    return (byte >> (c * bits % 8)) & ((1 << bits) - 1);
-  }
   // f(r, c, exact value) for each outlier of block b in head h and rows [r0, r1).
   template <class F>
   void each_outlier(int64_t b, int64_t h, int64_t r0, int64_t r1, F&& f) const {
