@@ -6,8 +6,9 @@ rejected, never committed), every step size once, in alternating order. Medians 
 wall time and in CPU time of the thread (`time.thread_time`, steadier on a shared machine), with the LM head's
 share split out, plus least-squares lines step_cpu = fixed + per_row * rows: the cost model of the adaptive
 speculation planner (engine/spec/step_cost.py). Where the layer bridge serves the model, steps of up to
-BRIDGE_ROWS rows (weights streamed once for all rows) and larger ones (panel tiles) get a line each (verify_row_cost = per_row / fixed of the first; bridge_jump and
-bridge_row_cost place the second in the same unit); else one line over every size.
+BRIDGE_ROWS rows (weights streamed once for all rows) and larger ones (panel tiles) get a line each
+(verify_row_cost = per_row / fixed of the first; bridge_jump and bridge_row_cost place the second in the same
+unit); else one line over every size.
 """
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def planner_constants(single: dict, batch: dict) -> dict:
     sequence's step) and a larger batch's run (`batch`): bridge_jump and bridge_row_cost such that a panel step of R
     rows costs what was measured relative to that batch's plain (bridged) step, priced 1 + verify_row_cost x batch."""
     c, plain = single["verify_row_cost"], 1 + single["verify_row_cost"] * batch["batch"]
-    above = {int(name[4:]): row["cpu_vs_decode"] * plain for name, row in batch["steps"].items() if row["path"] == "panels"}
+    above = {int(name[4:]): row["cpu_vs_decode"] * plain for name, row in batch["steps"].items()
+             if row["path"] == "panels"}
     if len(above) < 2:
         return {"verify_row_cost": c}
     fixed, per_row = _line(list(above), list(above.values()))

@@ -78,8 +78,8 @@ def _wide_weights(model: nn.Module) -> BridgeWeights | None:
         ok = base is not None and not base.int8 and all(w.shape[0] % PANEL == 0 for w in linears)
         _WIDE[model] = replace(
             base, pre=[[n, panels(w), s, b] for n, w, s, b in base.pre],
-            post=[[panels(o), os, ob, ln, panels(gu), gus, panels(d), ds] for o, os, ob, ln, gu, gus, d, ds in base.post]
-        ) if ok else None
+            post=[[panels(o), os, ob, ln, panels(gu), gus, panels(d), ds]
+                  for o, os, ob, ln, gu, gus, d, ds in base.post]) if ok else None
     return _WIDE[model]
 
 

@@ -1,6 +1,6 @@
 """The fused layer bridge (csrc/layer_bridge.cpp): everything a Llama decoder does between two attentions, for
-the rows of a decode or verification step, in one operator call and one parallel region (the per-op path crosses Python and
-forks the threads about ten times per layer). models/bridged.py runs a model's layers through it."""
+the rows of a decode or verification step, in one operator call and one parallel region (the per-op path crosses
+Python and forks the threads about ten times per layer). models/bridged.py runs a model's layers through it."""
 from __future__ import annotations
 
 import torch

@@ -3,8 +3,8 @@
 Steps of up to `limit` rows run each layer through the compiled layer bridge streaming every weight once for all
 rows (kvforge.ops.layer_bridge.BRIDGE_ROWS, when the bridge serves the model): T(rows) = 1 + row_cost * rows.
 Larger steps take panel tiles (the bridge on the weights' panel copies, the per-op path beyond WIDE_ROWS):
-T(rows) = 1 + jump + row_cost_above * rows. Without a limit (no
-bridge) a step costs the first line at any size. `kvforge bench spec --verify-cost` fits the three constants.
+T(rows) = 1 + jump + row_cost_above * rows. Without a limit (no bridge) a step costs the first line at any size.
+`kvforge bench spec --verify-cost` fits the three constants.
 """
 from __future__ import annotations
 

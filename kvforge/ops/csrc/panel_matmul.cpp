@@ -103,7 +103,8 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels_in,
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t rows = std::min(block, M - m0);
     at::parallel_for(0, triples, 1, [&](int64_t begin, int64_t end) {
-      panel_range(xp + m0 * K, wp, bp, yp + m0 * n, rows, K, n, begin * kPanelsPerTile, std::min(P, end * kPanelsPerTile));
+      panel_range(xp + m0 * K, wp, bp, yp + m0 * n, rows, K, n, begin * kPanelsPerTile,
+                  std::min(P, end * kPanelsPerTile));
     });
   }
   return y;
