@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "vmath.h"
 
@@ -43,12 +44,13 @@ struct Patches {
   __mmask16 mask[MAX_BLOCK][4];
   alignas(64) float code[MAX_BLOCK][DIM];
 
-  // value(r, c): the replacement code of channel c in row r.
+  // value(r, c, exact): the replacement code of channel c in row r.
   template <class Value>
-  Patches(const Side& side, int64_t b, int64_t h, int64_t t0, int64_t t1, Value&& value) : any(side.n_out > 0) {
+  Patches(const Side& side, const OutlierList& outliers, int64_t h, int64_t t0, int64_t t1, Value&& value)
+      : any(side.n_out > 0) {
     if (!any) return;
     std::fill(&mask[t0][0], &mask[t1][0], __mmask16{0});
-    side.each_outlier(b, h, t0, t1, [&](int64_t r, int64_t c, float exact) {
+    outliers.each(h, t0, t1, [&](int64_t r, int64_t c, float exact) {
       code[r][c] = value(r, c, exact);
       mask[r][c / 16] |= static_cast<__mmask16>(1u << (c % 16));
     });
@@ -61,7 +63,8 @@ struct Patches {
 // folded[g] = q[g] * scale (per channel), bias[g] = q[g] . zero; rows of 16 keys at a time: each row's codes are
 // widened once for all query rows, whose 16 products per row are summed together at the end of the 16.
 template <int BITS, int ROWS>
-void scores_of(const Side& K, int64_t b, int64_t h, const float* q, int64_t t0, int64_t t1, float* s, int64_t ss) {
+void scores_of(const Side& K, const OutlierList& outliers, int64_t b, int64_t h, const float* q, int64_t t0, int64_t t1,
+               float* s, int64_t ss) {
   alignas(64) float scale[DIM], zero[DIM], folded[ROWS][DIM];
   float bias[ROWS];
   K.channel_params(b, h, scale, zero);
@@ -74,7 +77,8 @@ void scores_of(const Side& K, int64_t b, int64_t h, const float* q, int64_t t0, 
     }
     bias[g] = _mm512_reduce_add_ps(acc);
   }
-  const Patches patches(K, b, h, t0, t1, [&](int64_t, int64_t c, float exact) { return (exact - zero[c]) / scale[c]; });
+  const Patches patches(K, outliers, h, t0, t1,
+                        [&](int64_t, int64_t c, float exact) { return (exact - zero[c]) / scale[c]; });
   const uint8_t* rows = K.rows(b, h);
   const int64_t ld = K.heads * K.row_bytes();
   __m512 part[ROWS][16];
@@ -108,7 +112,8 @@ void accumulate(const uint8_t* rows, int64_t ld, int64_t t0, int64_t t1, const P
   constexpr int CHUNKS_PER_GROUP = 4 / GROUPS;
   __m512 a[ROWS][4];
   for (int g = 0; g < ROWS; ++g)
-    for (int k = 0; k < 4; ++k) a[g][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * k), _mm512_set1_ps(alpha[g]));
+    for (int k = 0; k < 4; ++k)
+      a[g][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * k), _mm512_set1_ps(alpha[g]));
   for (int64_t i = 0; i < t1 - t0; ++i) {
     __m512 c[4];
     widen_row<BITS>(rows + i * ld, c);
@@ -125,8 +130,8 @@ void accumulate(const uint8_t* rows, int64_t ld, int64_t t0, int64_t t1, const P
 // Weights times each row's group scales are made for the whole block first, so the row loop only broadcasts them
 // from memory; the zeros' share, sum of weight times zero per group, is added once at the end.
 template <int BITS, int ROWS, int GROUPS>
-void weigh_of(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, int64_t t0, int64_t t1,
-              const float* alpha, float* acc) {
+void weigh_of(const Side& V, const OutlierList& outliers, int64_t b, int64_t h, const float* w, int64_t ws,
+              int64_t t0, int64_t t1, const float* alpha, float* acc) {
   const int64_t n = t1 - t0;
   float scale[MAX_BLOCK * GROUPS], zero[MAX_BLOCK * GROUPS];
   V.token_params(b, h, t0, t1, scale, zero);
@@ -137,7 +142,7 @@ void weigh_of(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, i
         scaled[g][i][j] = w[g * ws + t0 + i] * scale[i * GROUPS + j];
         zsum[g][j] += w[g * ws + t0 + i] * zero[i * GROUPS + j];
       }
-  const Patches patches(V, b, h, t0, t1, [&](int64_t r, int64_t c, float exact) {
+  const Patches patches(V, outliers, h, t0, t1, [&](int64_t r, int64_t c, float exact) {
     const int64_t j = (r - t0) * GROUPS + c / (DIM / GROUPS);
     return (exact - zero[j]) / scale[j];
   });
@@ -148,43 +153,31 @@ void weigh_of(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, i
 }
 
 template <int BITS, int ROWS>
-void weigh_groups(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, int64_t t0, int64_t t1,
-                  const float* alpha, float* acc) {
+void weigh_groups(const Side& V, const OutlierList& outliers, int64_t b, int64_t h, const float* w, int64_t ws,
+                  int64_t t0, int64_t t1, const float* alpha, float* acc) {
   switch (DIM / V.group) {
-    case 1: return weigh_of<BITS, ROWS, 1>(V, b, h, w, ws, t0, t1, alpha, acc);
-    case 2: return weigh_of<BITS, ROWS, 2>(V, b, h, w, ws, t0, t1, alpha, acc);
-    default: return weigh_of<BITS, ROWS, 4>(V, b, h, w, ws, t0, t1, alpha, acc);
+    case 1: return weigh_of<BITS, ROWS, 1>(V, outliers, b, h, w, ws, t0, t1, alpha, acc);
+    case 2: return weigh_of<BITS, ROWS, 2>(V, outliers, b, h, w, ws, t0, t1, alpha, acc);
+    default: return weigh_of<BITS, ROWS, 4>(V, outliers, b, h, w, ws, t0, t1, alpha, acc);
   }
 }
 
-template <int BITS>
-void scores_rows(const Side& K, int64_t b, int64_t h, const float* q, int64_t rows, int64_t t0, int64_t t1,
-                 float* s, int64_t ss) {
-  switch (rows) {
-    case 1: return scores_of<BITS, 1>(K, b, h, q, t0, t1, s, ss);
-    case 2: return scores_of<BITS, 2>(K, b, h, q, t0, t1, s, ss);
-    case 3: return scores_of<BITS, 3>(K, b, h, q, t0, t1, s, ss);
-    case 4: return scores_of<BITS, 4>(K, b, h, q, t0, t1, s, ss);
-    case 5: return scores_of<BITS, 5>(K, b, h, q, t0, t1, s, ss);
-    default: return scores_of<BITS, 6>(K, b, h, q, t0, t1, s, ss);
-  }
-}
-
-template <int BITS>
-void weigh_rows_of(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, int64_t t0, int64_t t1,
-                   const float* alpha, float* acc, int64_t rows) {
-  switch (rows) {
-    case 1: return weigh_groups<BITS, 1>(V, b, h, w, ws, t0, t1, alpha, acc);
-    case 2: return weigh_groups<BITS, 2>(V, b, h, w, ws, t0, t1, alpha, acc);
-    case 3: return weigh_groups<BITS, 3>(V, b, h, w, ws, t0, t1, alpha, acc);
-    case 4: return weigh_groups<BITS, 4>(V, b, h, w, ws, t0, t1, alpha, acc);
-    case 5: return weigh_groups<BITS, 5>(V, b, h, w, ws, t0, t1, alpha, acc);
-    default: return weigh_groups<BITS, 6>(V, b, h, w, ws, t0, t1, alpha, acc);
-  }
-}
-
-void check_rows(int64_t rows) {
+// f(bits, rows) with both as std::integral_constant: 2 or 4 bits, 1 to PACKED_MAX_ROWS query rows.
+template <class F>
+void with_shape(int64_t bits, int64_t rows, F&& f) {
   TORCH_CHECK(rows >= 1 && rows <= PACKED_MAX_ROWS, "packed rows: 1 to ", PACKED_MAX_ROWS, " query rows, got ", rows);
+  const auto by_rows = [&](auto b) {
+    switch (rows) {
+      case 1: return f(b, std::integral_constant<int, 1>{});
+      case 2: return f(b, std::integral_constant<int, 2>{});
+      case 3: return f(b, std::integral_constant<int, 3>{});
+      case 4: return f(b, std::integral_constant<int, 4>{});
+      case 5: return f(b, std::integral_constant<int, 5>{});
+      default: return f(b, std::integral_constant<int, 6>{});
+    }
+  };
+  if (bits == 4) by_rows(std::integral_constant<int, 4>{});
+  else by_rows(std::integral_constant<int, 2>{});
 }
 
 }  // namespace
@@ -195,28 +188,29 @@ bool reads_packed(const Side& K, const Side& V) {
          (V.group == 16 || V.group == 32 || V.group == 64) && V.bs <= MAX_BLOCK;
 }
 
-void packed_scores(const Side& K, int64_t b, int64_t h, const float* q, int64_t rows, int64_t t0, int64_t t1,
-                   float* s, int64_t ss) {
-  check_rows(rows);
-  if (K.bits == 4) scores_rows<4>(K, b, h, q, rows, t0, t1, s, ss);
-  else scores_rows<2>(K, b, h, q, rows, t0, t1, s, ss);
+void packed_scores(const Side& K, const OutlierList& outliers, int64_t b, int64_t h, const float* q, int64_t rows,
+                   int64_t t0, int64_t t1, float* s, int64_t ss) {
+  with_shape(K.bits, rows, [&](auto bits, auto r) {
+    scores_of<decltype(bits)::value, decltype(r)::value>(K, outliers, b, h, q, t0, t1, s, ss);
+  });
 }
 
-void packed_weigh(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, int64_t t0, int64_t t1,
-                  const float* alpha, float* acc, int64_t rows) {
-  check_rows(rows);
-  if (V.bits == 4) weigh_rows_of<4>(V, b, h, w, ws, t0, t1, alpha, acc, rows);
-  else weigh_rows_of<2>(V, b, h, w, ws, t0, t1, alpha, acc, rows);
+void packed_weigh(const Side& V, const OutlierList& outliers, int64_t b, int64_t h, const float* w, int64_t ws,
+                  int64_t t0, int64_t t1, const float* alpha, float* acc, int64_t rows) {
+  with_shape(V.bits, rows, [&](auto bits, auto r) {
+    weigh_groups<decltype(bits)::value, decltype(r)::value>(V, outliers, b, h, w, ws, t0, t1, alpha, acc);
+  });
 }
 
 #else
 
 bool reads_packed(const Side&, const Side&) { return false; }
-void packed_scores(const Side&, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t) {
+void packed_scores(const Side&, const OutlierList&, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*,
+                   int64_t) {
   TORCH_CHECK(false, "packed rows need AVX-512");
 }
-void packed_weigh(const Side&, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, const float*, float*,
-                  int64_t) {
+void packed_weigh(const Side&, const OutlierList&, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
+                  const float*, float*, int64_t) {
   TORCH_CHECK(false, "packed rows need AVX-512");
 }
 

@@ -20,13 +20,14 @@ constexpr int64_t PACKED_MAX_ROWS = 6;
 // width (2 or 4 bits), 64-wide heads, value groups of 16, 32 or 64, blocks of at most 64 rows, AVX-512.
 bool reads_packed(const Side& K, const Side& V);
 
-// s[g * ss + r] = dot(q + g * 64, key row r of head h of block b) for g < rows, r in [t0, t1).
-void packed_scores(const Side& K, int64_t b, int64_t h, const float* q, int64_t rows, int64_t t0, int64_t t1,
-                   float* s, int64_t ss);
+// s[g * ss + r] = dot(q + g * 64, key row r of head h of block b) for g < rows, r in [t0, t1); outliers: block b's
+// (K.list_outliers).
+void packed_scores(const Side& K, const OutlierList& outliers, int64_t b, int64_t h, const float* q, int64_t rows,
+                   int64_t t0, int64_t t1, float* s, int64_t ss);
 
 // acc[g * 64 ..] = acc[g * 64 ..] * alpha[g] + sum over r in [t0, t1) of w[g * ws + r] * value row r of head h of
 // block b, for g < rows.
-void packed_weigh(const Side& V, int64_t b, int64_t h, const float* w, int64_t ws, int64_t t0, int64_t t1,
-                  const float* alpha, float* acc, int64_t rows);
+void packed_weigh(const Side& V, const OutlierList& outliers, int64_t b, int64_t h, const float* w, int64_t ws,
+                  int64_t t0, int64_t t1, const float* alpha, float* acc, int64_t rows);
 
 }  // namespace kvforge

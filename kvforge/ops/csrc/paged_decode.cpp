@@ -132,6 +132,7 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
   const int64_t D = DK ? DK : p.D, Dv = DV ? DV : p.Dv, G = p.G, bs = p.bs, R = MAX_RUN * G, HT = p.heads;
   std::vector<float> kbuf((bs + 1) * D), vbuf((bs + 1) * Dv), qs(HT * R * D), s(R * bs), m(HT * R), l(HT * R);
   std::vector<float> acc(HT * R * Dv), alpha(R), kscale(bs), vscale(bs);
+  OutlierList k_outliers, v_outliers;  // packed blocks read in place: the block's outliers by head
   const float factor = p.K.reader() == READ_E4M3 ? E4M3_FACTOR : 1.f;
   int64_t lo[MAX_RUN], hi[MAX_RUN], r0s[MAX_RUN], r1s[MAX_RUN];
   const int64_t groups = p.kvh / HT;
@@ -166,6 +167,8 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
       }
       const bool in_place = kInPlace && rows <= IN_PLACE_ROWS && !overlaid(p, blk);
       if (HT > 1) swept += p.K.sweep(blk) + p.V.sweep(blk);  // all heads: the whole block, front to back
+      if (kPacked && in_place && p.K.n_out) p.K.list_outliers(blk, k_outliers);
+      if (kPacked && in_place && p.V.n_out) p.V.list_outliers(blk, v_outliers);
       for (int64_t hh = 0; hh < HT; ++hh) {
         const int64_t h = h0 + hh;
         const float* q = qs.data() + hh * R * D;
@@ -178,7 +181,7 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
         }
         int64_t ldk, ldv;
         const float* kt = in_place ? nullptr : load(p.K, p.staged.k, p.sinks.k, blk, h, t0, t1, kbuf.data(), &ldk);
-        if (kPacked && in_place) packed_scores(p.K, blk, h, q, rows, t0, t1, s.data(), bs);
+        if (kPacked && in_place) packed_scores(p.K, k_outliers, blk, h, q, rows, t0, t1, s.data(), bs);
         for (int64_t i = 0; i < n && !(kPacked && in_place); ++i) {
           for (int64_t g = i * G; r0s[i] < r1s[i] && g < (i + 1) * G; ++g) {
             int64_t r = r0s[i];
@@ -221,7 +224,7 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
 #ifdef __AVX512F__
         if constexpr (kPacked) {
           if (in_place) {
-            packed_weigh(p.V, blk, h, s.data(), bs, t0, t1, alpha.data(), ah, rows);
+            packed_weigh(p.V, v_outliers, blk, h, s.data(), bs, t0, t1, alpha.data(), ah, rows);
             continue;
           }
         } else if constexpr (kInPlace) {

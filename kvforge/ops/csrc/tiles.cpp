@@ -1,7 +1,6 @@
 #include "tiles.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 
 #include "vmath.h"
@@ -42,8 +41,7 @@ float half_at(const uint8_t* p, int64_t i) { return static_cast<float>(reinterpr
 Side::Side(int64_t kind_, int64_t bits_, int64_t group_, int64_t bs_, int64_t heads_, int64_t dim_,
            const std::vector<at::Tensor>& parts)
     : kind(kind_), bits(bits_), group(group_), dim(dim_), heads(heads_), bs(bs_) {
-  static std::atomic<uint64_t> made{0};
-  serial = ++made;
+  dim_shift = (dim & (dim - 1)) == 0 ? __builtin_ctzll(dim) : -1;
   TORCH_CHECK(!parts.empty() && parts[0].is_contiguous(), "paged_decode: codes must be contiguous");
   dtype = parts[0].scalar_type();
   data = bytes(parts[0]);
@@ -95,23 +93,25 @@ void prefetch_range(const uint8_t* p, int64_t n) {
 }
 }  // namespace
 
+template <class F>
+void Side::each_parameter_range(int64_t b, F&& visit) const {
+  if (kind == SCALED) visit(reinterpret_cast<const uint8_t*>(row_scale + b * bs * heads), bs * heads * 2);
+  if (kind == UNIFORM_TOKEN || kind == UNIFORM_CHANNEL) {
+    const int64_t per = kind == UNIFORM_TOKEN ? bs * heads * (dim / group) : heads * dim;
+    visit(scale + b * per * (scale_coded ? 1 : 2), per * (scale_coded ? 1 : 2));
+    visit(zero + b * per * (zero_coded ? 1 : 2), per * (zero_coded ? 1 : 2));
+    if (ends) visit(reinterpret_cast<const uint8_t*>(ends + b * heads * 2), heads * 4);
+  }
+  if (n_out) {
+    visit(out_index + b * n_out * (index32 ? 4 : 2), n_out * (index32 ? 4 : 2));
+    visit(reinterpret_cast<const uint8_t*>(out_value + b * n_out), n_out * 2);
+  }
+}
+
 void Side::prefetch(int64_t b, int64_t h) const {
   const int64_t rb = row_bytes();
   for (int64_t r = 0; r < bs; ++r) prefetch_range(data + ((b * bs + r) * heads + h) * rb, rb);
-  if (kind == SCALED) prefetch_range(reinterpret_cast<const uint8_t*>(row_scale + b * bs * heads), bs * heads * 2);
-  if (kind == UNIFORM_TOKEN) {
-    const int64_t n = bs * heads * (dim / group), at = b * n;
-    prefetch_range(scale + at * (scale_coded ? 1 : 2), n * (scale_coded ? 1 : 2));
-    prefetch_range(zero + at * 2, n * 2);
-  } else if (kind == UNIFORM_CHANNEL) {
-    const int64_t at = (b * heads + h) * dim;
-    prefetch_range(scale + at * (scale_coded ? 1 : 2), dim * (scale_coded ? 1 : 2));
-    prefetch_range(zero + at * (zero_coded ? 1 : 2), dim * (zero_coded ? 1 : 2));
-  }
-  if (n_out) {
-    prefetch_range(out_index + b * n_out * (index32 ? 4 : 2), n_out * (index32 ? 4 : 2));
-    prefetch_range(reinterpret_cast<const uint8_t*>(out_value + b * n_out), n_out * 2);
-  }
+  each_parameter_range(b, prefetch_range);
 }
 
 namespace {
@@ -128,17 +128,7 @@ float Side::sweep(int64_t b) const {
   const int64_t bytes = bs * heads * row_bytes();
   uint8_t x = 0;
   touch(data + b * bytes, bytes, x);
-  if (kind == SCALED) touch(row_scale + b * bs * heads, bs * heads * 2, x);
-  if (kind == UNIFORM_TOKEN || kind == UNIFORM_CHANNEL) {
-    const int64_t per = kind == UNIFORM_TOKEN ? bs * heads * (dim / group) : heads * dim;
-    touch(scale + b * per * (scale_coded ? 1 : 2), per * (scale_coded ? 1 : 2), x);
-    touch(zero + b * per * (zero_coded ? 1 : 2), per * (zero_coded ? 1 : 2), x);
-    if (ends) touch(ends + b * heads * 2, heads * 4, x);
-  }
-  if (n_out) {
-    touch(out_index + b * n_out * (index32 ? 4 : 2), n_out * (index32 ? 4 : 2), x);
-    touch(out_value + b * n_out, n_out * 2, x);
-  }
+  each_parameter_range(b, [&x](const uint8_t* p, int64_t n) { touch(p, n, x); });
   return x;
 }
 
@@ -268,7 +258,7 @@ void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) co
     std::copy_n(key, 6, made_for);
   }
   const uint32_t d = static_cast<uint32_t>(dim);
-  const int shift = (dim & (dim - 1)) == 0 ? __builtin_ctzll(dim) : -1;
+  const int shift = dim_shift;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (!index32 && shift >= 0) {  // 16 outliers at a time: their tile offsets gathered, their values scattered
     const int16_t* index = reinterpret_cast<const int16_t*>(out_index) + b * n_out;
@@ -299,44 +289,30 @@ void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) co
   }
 }
 
-const OutlierList& Side::outliers_of(int64_t b) const {
-  struct Scratch {
-    OutlierList lists[2];  // a call's key side and value side
-    std::vector<int32_t> head, row, channel, fill;
-    std::vector<float> value;
-  };
-  thread_local Scratch t;
-  OutlierList* lists = t.lists;
-  const int slot = lists[0].side == serial ? 0 : lists[1].side == serial ? 1 : lists[0].side > lists[1].side;
-  OutlierList& o = lists[slot];
-  if (o.side == serial && o.block == b) return o;
-  o.side = serial;
-  o.block = b;
-  o.start.assign(heads + 1, 0);
-  for (auto* v : {&o.row, &o.channel, &t.head, &t.row, &t.channel}) v->resize(n_out);
-  o.value.resize(n_out);
-  t.value.resize(n_out);
-  half_to_float(reinterpret_cast<const uint16_t*>(out_value + b * n_out), t.value.data(), n_out);
-  const int shift = (dim & (dim - 1)) == 0 ? __builtin_ctzll(dim) : -1;
+void Side::list_outliers(int64_t b, OutlierList& out) const {
+  out.start.assign(heads + 1, 0);
+  out.stored.resize(n_out);
+  out.stored_value.resize(n_out);
+  half_to_float(reinterpret_cast<const uint16_t*>(out_value + b * n_out), out.stored_value.data(), n_out);
   const int16_t* index16 = reinterpret_cast<const int16_t*>(out_index) + b * n_out;
   const int32_t* index32_ = reinterpret_cast<const int32_t*>(out_index) + b * n_out;
   for (int64_t i = 0; i < n_out; ++i) {
     const int64_t flat = index32 ? index32_[i] : index16[i];
-    const int64_t rh = shift >= 0 ? flat >> shift : flat / dim;
-    t.row[i] = row_of[rh];
-    t.head[i] = static_cast<int32_t>(rh - t.row[i] * heads);
-    t.channel[i] = static_cast<int32_t>(flat - rh * dim);
-    ++o.start[t.head[i] + 1];
+    const int64_t rh = dim_shift >= 0 ? flat >> dim_shift : flat / dim;
+    const int32_t row = row_of[rh];
+    out.stored[i] = {row, static_cast<int32_t>(flat - rh * dim), static_cast<int32_t>(rh - row * heads)};
+    ++out.start[out.stored[i].head + 1];
   }
-  for (int64_t h = 0; h < heads; ++h) o.start[h + 1] += o.start[h];
-  t.fill.assign(o.start.begin(), o.start.end() - 1);
+  for (int64_t h = 0; h < heads; ++h) out.start[h + 1] += out.start[h];
+  out.fill.assign(out.start.begin(), out.start.end() - 1);
+  for (auto* v : {&out.row, &out.channel}) v->resize(n_out);
+  out.value.resize(n_out);
   for (int64_t i = 0; i < n_out; ++i) {
-    const int32_t at = t.fill[t.head[i]]++;
-    o.row[at] = t.row[i];
-    o.channel[at] = t.channel[i];
-    o.value[at] = t.value[i];
+    const int32_t at = out.fill[out.stored[i].head]++;
+    out.row[at] = out.stored[i].row;
+    out.channel[at] = out.stored[i].channel;
+    out.value[at] = out.stored_value[i];
   }
-  return o;
 }
 
 Overlay::Overlay(const at::Tensor& entry, const at::Tensor& exact)

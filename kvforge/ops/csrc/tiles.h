@@ -24,12 +24,24 @@ enum Reader : int { DECODE_TILES = 0, READ_F16, READ_BF16, READ_INT8, READ_E4M3,
 //                     -, outlier index [N, n] (int16 | int32), outlier value [N, n] fp16, scale table [256] fp32
 //   UNIFORM_CHANNEL:  codes, scale [N, kvh, d] (u8 code | fp16), zero [N, kvh, d] (u8 code | fp16),
 //                     ends [N, kvh, 2] fp16 (with u8 zeros), outlier index, outlier value, scale table
-// One block's outliers of one side, by head: entries [start[h], start[h + 1]) are head h's.
+// One block's outliers of one side, by head (Side::list_outliers): entries [start[h], start[h + 1]) are head h's.
 struct OutlierList {
-  uint64_t side = 0;  // Side::serial
-  int64_t block = -1;
   std::vector<int32_t> start, row, channel;
   std::vector<float> value;
+  // list_outliers' scratch: the outliers in storage order, and where each head's next one goes.
+  struct Entry {
+    int32_t row, channel, head;
+  };
+  std::vector<Entry> stored;
+  std::vector<float> stored_value;
+  std::vector<int32_t> fill;
+
+  // f(r, c, exact value) for head h's outliers in rows [r0, r1).
+  template <class F>
+  void each(int64_t h, int64_t r0, int64_t r1, F&& f) const {
+    for (int32_t i = start[h]; i < start[h + 1]; ++i)
+      if (row[i] >= r0 && row[i] < r1) f(row[i], channel[i], value[i]);
+  }
 };
 
 struct Side {
@@ -46,9 +58,9 @@ struct Side {
   bool index32 = false;
   const c10::Half* out_value = nullptr;
   int64_t n_out = 0;
-  uint64_t serial;   // distinct for every Side made (what cached per-block lists are kept for)
   float table[256];  // u8 scale code -> scale
   std::vector<int32_t> row_of;  // with outliers: row of flat (row * heads + head) index
+  int dim_shift = -1;           // log2(dim) when dim is a power of two
 
   Side(int64_t kind_, int64_t bits_, int64_t group_, int64_t bs_, int64_t heads_, int64_t dim_,
        const std::vector<at::Tensor>& parts);
@@ -74,13 +86,8 @@ struct Side {
   // UNIFORM_TOKEN: s[(r - r0) * groups + j], z[...] = the fp32 scale and zero of group j of row r of head h of
   // block b, for r in [r0, r1).
   void token_params(int64_t b, int64_t h, int64_t r0, int64_t r1, float* s, float* z) const;
-  // f(r, c, exact value) for each outlier of block b in head h and rows [r0, r1).
-  template <class F>
-  void each_outlier(int64_t b, int64_t h, int64_t r0, int64_t r1, F&& f) const {
-    const OutlierList& o = outliers_of(b);
-    for (int32_t i = o.start[h]; i < o.start[h + 1]; ++i)
-      if (o.row[i] >= r0 && o.row[i] < r1) f(o.row[i], o.channel[i], o.value[i]);
-  }
+  // Block b's outliers, listed by head into out (its vectors are reused from block to block).
+  void list_outliers(int64_t b, OutlierList& out) const;
   // Bytes of one row of one head in storage.
   int64_t row_bytes() const {
     return kind == UNIFORM_TOKEN || kind == UNIFORM_CHANNEL ? dim * bits / 8 : dim * at::elementSize(dtype);
@@ -92,8 +99,9 @@ struct Side {
   template <int BITS>
   void uniform_rows_of(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const;
   void outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) const;
-  // Block b's outliers by head, made once per block (kept per thread for the last block of each side).
-  const OutlierList& outliers_of(int64_t b) const;
+  // visit(first byte, bytes) for block b's share (all heads) of each parameter and outlier array.
+  template <class F>
+  void each_parameter_range(int64_t b, F&& visit) const;
 };
 
 // Exact fp16 rows laid over decoded ones: entry_of [N] int32 (-1: none), rows [E, n, kvh, d] fp16.
