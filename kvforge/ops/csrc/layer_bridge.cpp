@@ -155,11 +155,6 @@ CacheWrite cache_write_of(const std::vector<at::Tensor>& parts, int64_t M, int64
   return out;
 }
 
-template <class T>
-void put_row(const float* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-
 void write_row(const at::Tensor& cache, int64_t row, const float* src, int64_t D) {
   switch (cache.scalar_type()) {
     case at::kHalf: return put_row(src, cache.data_ptr<c10::Half>() + row * D, D);

@@ -1,6 +1,6 @@
 // One row of a decoder's elementwise work (RMSNorm, the residual add fused with it, rotate-half RoPE, SwiGLU's
 // silu(gate) * up): shared by the per-op kernels (layers.cpp) and the fused layer bridge (layer_bridge.cpp), so
-// both compute the same floats in the same order.
+// both compute the same floats in the same order; and a row stored in a narrower type.
 #pragma once
 
 #include <cmath>
@@ -9,6 +9,12 @@
 #include "vmath.h"
 
 namespace kvforge {
+
+// dst = src converted as Tensor.to would (fp16 / bf16: round to nearest even).
+template <class T>
+inline void put_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
 
 inline void rms_norm_row(const float* x, const float* w, float* out, int64_t d, float eps) {
   float ss = 0.f;

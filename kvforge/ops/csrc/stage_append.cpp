@@ -5,18 +5,15 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "rows.h"
+
 namespace kvforge {
 namespace {
 
-void put_half(const float* src, c10::Half* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
-}
-
 bool stage_append_cpu(const at::Tensor& slots_in, const at::Tensor& k_in, const std::optional<at::Tensor>& v_in,
                       const at::Tensor& entry_of, at::Tensor stage_k, const std::optional<at::Tensor>& stage_v,
-                      at::Tensor stage_full,
-                      int64_t block_size, int64_t max_rows, const std::optional<at::Tensor>& positions_in,
-                      int64_t sinks) {
+                      at::Tensor stage_full, int64_t block_size, int64_t max_rows,
+                      const std::optional<at::Tensor>& positions_in, int64_t sinks) {
   const int64_t n = slots_in.numel();
   if (n == 0 || n > max_rows) return false;
   const bool has_v = v_in.has_value() && stage_v.has_value();
@@ -44,8 +41,8 @@ bool stage_append_cpu(const at::Tensor& slots_in, const at::Tensor& k_in, const 
   bool* full = stage_full.data_ptr<bool>();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t e = entry[slot[i] / block_size], off = slot[i] % block_size, row = e * block_size + off;
-    put_half(k.data_ptr<float>() + i * kw, sk + row * kw, kw);
-    if (has_v) put_half(v.data_ptr<float>() + i * vw, sv + row * vw, vw);
+    put_row(k.data_ptr<float>() + i * kw, sk + row * kw, kw);
+    if (has_v) put_row(v.data_ptr<float>() + i * vw, sv + row * vw, vw);
     if (off == block_size - 1) full[e] = true;
   }
   return true;
