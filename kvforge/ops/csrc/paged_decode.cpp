@@ -182,7 +182,7 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
         int64_t ldk, ldv;
         const float* kt = in_place ? nullptr : load(p.K, p.staged.k, p.sinks.k, blk, h, t0, t1, kbuf.data(), &ldk);
         if (kPacked && in_place) packed_scores(p.K, k_outliers, blk, h, q, rows, t0, t1, s.data(), bs);
-        for (int64_t i = 0; i < n && !(kPacked && in_place); ++i) {
+        else for (int64_t i = 0; i < n; ++i) {
           for (int64_t g = i * G; r0s[i] < r1s[i] && g < (i + 1) * G; ++g) {
             int64_t r = r0s[i];
 #ifdef __AVX512F__
