@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.kv.quant.library import define
+
 SCHEMA = ("stage_append(Tensor slots, Tensor k, Tensor? v, Tensor entry_of, Tensor(a!) stage_k, Tensor(b!)? stage_v, "
           "Tensor(c!) stage_full, int block_size, int max_rows, Tensor? positions, int sinks) -> bool")
 
@@ -33,9 +35,4 @@ def stage_append_reference(slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return True
 
 
-if not hasattr(torch.ops.kvforge, "stage_append"):  # a second import of this module (sys.modules cleared) reuses it
-    LIB = torch.library.Library("kvforge", "FRAGMENT")
-    LIB.define(SCHEMA)
-    LIB.impl("stage_append", stage_append_reference, "CompositeExplicitAutograd")
-
-stage_append = torch.ops.kvforge.stage_append
+stage_append = define("stage_append", SCHEMA, stage_append_reference)

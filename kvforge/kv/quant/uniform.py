@@ -17,11 +17,17 @@ import torch
 
 from kvforge.kv.layer_format import RawSide
 from kvforge.kv.quant.codec import Codec, Layout
+from kvforge.kv.quant.library import define
 from kvforge.kv.quant.packing import byte_table, pack, unpack
 
 PARAM_DTYPE = torch.float16
 MIN_SCALE = 1e-6
 LOG_MIN, LOG_STEPS = -18.0, 9.0  # 8-bit scales: 2**-18 .. 2**10.3
+
+
+def index_dtype(block_values: int) -> torch.dtype:
+    """Outlier indices (flat, within a block) as int16 where they fit."""
+    return torch.int16 if block_values <= 2**15 else torch.int32
 
 
 class UniformCodec(Codec):
@@ -48,8 +54,7 @@ class UniformCodec(Codec):
             parts = [codes, (param, torch.uint8), (param, torch.uint8), ((heads, 2), PARAM_DTYPE)]
         n_out = self.num_outliers(block_size, heads, dim)
         if n_out:
-            index_dtype = torch.int16 if block_size * heads * dim <= 2**15 else torch.int32
-            parts += [((n_out,), index_dtype), ((n_out,), PARAM_DTYPE)]
+            parts += [((n_out,), index_dtype(block_size * heads * dim)), ((n_out,), PARAM_DTYPE)]
         return parts
 
     def _groups(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -66,8 +71,13 @@ class UniformCodec(Codec):
         return index, mask
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[blocks, block_size, heads, dim] -> the parts of layout(), through kvforge::uniform_encode."""
+        table = self._scale_table(x.device) if self.param_bits == 8 else None
+        return list(uniform_encode(x.float(), self.bits, self.axis == "channel", self.group_size,
+                                   self.num_outliers(*x.shape[1:]), self.param_bits, table))
+
+    def encode_reference(self, x: torch.Tensor, n_out: int) -> list[torch.Tensor]:
         x = x.float()
-        n_out = self.num_outliers(*x.shape[1:])
         index, mask = self._outliers(x, n_out) if n_out else (None, None)
         lo_src = x if mask is None else x.masked_fill(mask, float("inf"))
         hi_src = x if mask is None else x.masked_fill(mask, float("-inf"))
@@ -83,7 +93,7 @@ class UniformCodec(Codec):
         parts = [pack(q, self.bits), scale_part] + zero_parts
         if n_out:
             values = x.reshape(x.shape[0], -1).gather(1, index)
-            parts += [index.to(self.layout(*x.shape[1:])[-2][1]), values.to(PARAM_DTYPE)]
+            parts += [index.to(index_dtype(x[0].numel())), values.to(PARAM_DTYPE)]
         return parts
 
     @property
@@ -120,6 +130,10 @@ class UniformCodec(Codec):
             return ((scale.clamp_min(2.0 ** LOG_MIN).log2() - LOG_MIN) * LOG_STEPS).ceil_().clamp_(0, 255).to(torch.uint8)
         return scale.clamp_min(MIN_SCALE).to(PARAM_DTYPE)
 
+    def _scale_table(self, device: torch.device) -> torch.Tensor:
+        """The 256 decoded 8-bit scales."""
+        return byte_table(("scale", 8), device, self._decode_scale)
+
     def _decode_scale(self, part: torch.Tensor) -> torch.Tensor:
         if self.param_bits == 8:
             return torch.exp2(part.float() / LOG_STEPS + LOG_MIN)
@@ -144,7 +158,18 @@ class UniformCodec(Codec):
         params = parts[1: 1 + self.num_params]
         ends = params[2] if self.coded_zero else empty
         outliers = parts[1 + self.num_params:] or [empty, empty]
-        table = byte_table(("scale", self.param_bits), parts[0].device, self._decode_scale) \
-            if self.param_bits == 8 else empty
+        table = self._scale_table(parts[0].device) if self.param_bits == 8 else empty
         return RawSide(f"uniform_{self.axis}", [parts[0], params[0], params[1], ends, *outliers, table],
                        self.bits, self.group_size)
+
+
+def encode_reference(x: torch.Tensor, bits: int, per_channel: bool, group_size: int, num_outliers: int,
+                     param_bits: int, scale_table: torch.Tensor | None) -> list[torch.Tensor]:
+    """kvforge::uniform_encode in torch (scale_table, the decoded 8-bit scales, is what _decode_scale computes)."""
+    codec = UniformCodec(bits, "channel" if per_channel else "token", group_size, param_bits=param_bits)
+    return codec.encode_reference(x, num_outliers)
+
+
+uniform_encode = define(
+    "uniform_encode", "uniform_encode(Tensor x, int bits, bool per_channel, int group_size, int num_outliers, "
+    "int param_bits, Tensor? scale_table) -> Tensor[]", encode_reference)
