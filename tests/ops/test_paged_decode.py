@@ -143,3 +143,23 @@ def test_kernel_bench_times_every_format_and_both_ops(compiled):
     for row in result["formats"].values():
         assert row["decode_ms"] > 0 and row["attend_ms"] > 0 and row["row_per_query_ms"] > 0
     assert result["formats"]["fp32"]["decode_slowdown_vs_fp32"] == 0
+
+
+@pytest.mark.parametrize("name,opts", [("kivi2", {}), ("kivi2", {"window": 0, "scale_bits": 16})])
+def test_outliers_stored_in_any_order(compiled, name, opts):
+    """The encoder stores outliers by head, row and channel, the order attention reads them in; blocks holding them
+    in another order (written by an older version, say) read the same."""
+    gen = torch.Generator().manual_seed(7)
+    cache, table = filled_cache(name, opts, 2, gen)
+    q = torch.randn(len(LENS), 6, DIM, generator=gen)
+    lens = torch.tensor(LENS)
+    want = torch.ops.kvforge.paged_decode(q, table, lens, 0.125, 0, *op_args(cache.raw()))
+    for parts in cache.parts:
+        index, value = parts[-2], parts[-1]
+        assert bool((index.diff(dim=1) != 0).any()), "no outliers to reorder"
+        order = torch.rand(index.shape, generator=gen).argsort(1)
+        index.copy_(index.gather(1, order))
+        value.copy_(value.gather(1, order))
+    got = torch.ops.kvforge.paged_decode(q, table, lens, 0.125, 0, *op_args(cache.raw()))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got, gathered_attention(q, cache, table, lens, 0.125, 0), atol=2e-5, rtol=1e-4)

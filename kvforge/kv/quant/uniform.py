@@ -30,6 +30,13 @@ def index_dtype(block_values: int) -> torch.dtype:
     return torch.int16 if block_values <= 2**15 else torch.int32
 
 
+def head_major(flat: torch.Tensor, block_size: int, heads: int, dim: int) -> torch.Tensor:
+    """Flat indices into [block_size, heads, dim] as positions in [heads, block_size, dim]: outliers are stored in
+    this order (head, then row, then channel), the order attention reads them in."""
+    rh, c = flat // dim, flat % dim
+    return ((rh % heads) * block_size + rh // heads) * dim + c
+
+
 class UniformCodec(Codec):
     def __init__(self, bits: int, axis: str, group_size: int = 32, outlier_frac: float = 0.0, param_bits: int = 16):
         self.bits, self.axis, self.group_size, self.outlier_frac = bits, axis, group_size, outlier_frac
@@ -67,6 +74,7 @@ class UniformCodec(Codec):
         g, red = self._groups(x)
         score = (g - g.mean(red, keepdim=True)).abs().reshape(x.shape[0], -1)
         index = score.topk(n_out, dim=1).indices
+        index = index.gather(1, head_major(index, *x.shape[1:]).argsort(1))
         mask = torch.zeros_like(score, dtype=torch.bool).scatter_(1, index, True).view(x.shape)
         return index, mask
 

@@ -290,29 +290,70 @@ void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) co
 }
 
 void Side::list_outliers(int64_t b, OutlierList& out) const {
-  out.start.assign(heads + 1, 0);
-  out.stored.resize(n_out);
-  out.stored_value.resize(n_out);
-  half_to_float(reinterpret_cast<const uint16_t*>(out_value + b * n_out), out.stored_value.data(), n_out);
+  for (auto* v : {&out.row, &out.channel, &out.head}) v->resize(n_out);
+  out.value.resize(n_out);
+  half_to_float(reinterpret_cast<const uint16_t*>(out_value + b * n_out), out.value.data(), n_out);
   const int16_t* index16 = reinterpret_cast<const int16_t*>(out_index) + b * n_out;
   const int32_t* index32_ = reinterpret_cast<const int32_t*>(out_index) + b * n_out;
-  for (int64_t i = 0; i < n_out; ++i) {
+  bool sorted = true;
+  int64_t last = -1, i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (!index32 && dim_shift >= 0) {  // 16 at a time: row from the row_of table, key compared with the one before
+    const __m128i shift = _mm_cvtsi32_si128(dim_shift);
+    const __m512i channel_mask = _mm512_set1_epi32(static_cast<int32_t>(dim - 1)), vheads = _mm512_set1_epi32(heads);
+    const __m512i vbs = _mm512_set1_epi32(static_cast<int32_t>(bs)), vdim = _mm512_set1_epi32(static_cast<int32_t>(dim));
+    __m512i before = _mm512_set1_epi32(-1);
+    __mmask16 unsorted = 0;
+    for (; i + 16 <= n_out; i += 16) {
+      const __m512i flat = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(index16 + i)));
+      const __m512i rh = _mm512_srl_epi32(flat, shift);
+      const __m512i row = _mm512_i32gather_epi32(rh, row_of.data(), 4);
+      const __m512i head = _mm512_sub_epi32(rh, _mm512_mullo_epi32(row, vheads));
+      const __m512i channel = _mm512_and_si512(flat, channel_mask);
+      const __m512i key = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(_mm512_mullo_epi32(head, vbs), row), vdim),
+                                           channel);
+      const __m512i previous = _mm512_alignr_epi32(key, before, 15);  // lane j: key of lane j - 1
+      unsorted |= _mm512_cmple_epi32_mask(key, previous);
+      before = key;
+      _mm512_storeu_si512(out.row.data() + i, row);
+      _mm512_storeu_si512(out.head.data() + i, head);
+      _mm512_storeu_si512(out.channel.data() + i, channel);
+    }
+    sorted = unsorted == 0;
+    if (i > 0) last = (out.head[i - 1] * bs + out.row[i - 1]) * dim + out.channel[i - 1];
+  }
+#endif
+  for (; i < n_out; ++i) {
     const int64_t flat = index32 ? index32_[i] : index16[i];
     const int64_t rh = dim_shift >= 0 ? flat >> dim_shift : flat / dim;
-    const int32_t row = row_of[rh];
-    out.stored[i] = {row, static_cast<int32_t>(flat - rh * dim), static_cast<int32_t>(rh - row * heads)};
-    ++out.start[out.stored[i].head + 1];
+    const int32_t row = row_of[rh], head = static_cast<int32_t>(rh - row * heads);
+    out.row[i] = row;
+    out.head[i] = head;
+    out.channel[i] = static_cast<int32_t>(flat - rh * dim);
+    const int64_t key = (head * bs + row) * dim + out.channel[i];
+    sorted = sorted && key > last;
+    last = key;
   }
-  for (int64_t h = 0; h < heads; ++h) out.start[h + 1] += out.start[h];
-  out.fill.assign(out.start.begin(), out.start.end() - 1);
-  for (auto* v : {&out.row, &out.channel}) v->resize(n_out);
-  out.value.resize(n_out);
-  for (int64_t i = 0; i < n_out; ++i) {
-    const int32_t at = out.fill[out.stored[i].head]++;
-    out.row[at] = out.stored[i].row;
-    out.channel[at] = out.stored[i].channel;
-    out.value[at] = out.stored_value[i];
+  if (!sorted) {
+    out.key.resize(n_out);
+    out.order.resize(n_out);
+    for (int64_t i = 0; i < n_out; ++i) {
+      out.key[i] = (out.head[i] * bs + out.row[i]) * dim + out.channel[i];
+      out.order[i] = static_cast<int32_t>(i);
+    }
+    std::sort(out.order.begin(), out.order.end(), [&](int32_t x, int32_t y) { return out.key[x] < out.key[y]; });
+    const std::vector<float> value(out.value);
+    for (int64_t i = 0; i < n_out; ++i) {
+      const int64_t k = out.key[out.order[i]];
+      out.channel[i] = static_cast<int32_t>(k % dim);
+      out.row[i] = static_cast<int32_t>(k / dim % bs);
+      out.head[i] = static_cast<int32_t>(k / dim / bs);
+      out.value[i] = value[out.order[i]];
+    }
   }
+  out.start.resize(heads + 1);
+  for (int64_t h = 0; h <= heads; ++h)
+    out.start[h] = static_cast<int32_t>(std::lower_bound(out.head.begin(), out.head.end(), h) - out.head.begin());
 }
 
 Overlay::Overlay(const at::Tensor& entry, const at::Tensor& exact)

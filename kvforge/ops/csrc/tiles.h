@@ -24,17 +24,13 @@ enum Reader : int { DECODE_TILES = 0, READ_F16, READ_BF16, READ_INT8, READ_E4M3,
 //                     -, outlier index [N, n] (int16 | int32), outlier value [N, n] fp16, scale table [256] fp32
 //   UNIFORM_CHANNEL:  codes, scale [N, kvh, d] (u8 code | fp16), zero [N, kvh, d] (u8 code | fp16),
 //                     ends [N, kvh, 2] fp16 (with u8 zeros), outlier index, outlier value, scale table
-// One block's outliers of one side, by head (Side::list_outliers): entries [start[h], start[h + 1]) are head h's.
+// One block's outliers of one side, sorted by head, then row, then channel (Side::list_outliers): entries
+// [start[h], start[h + 1]) are head h's. The encoder stores them in that order; others are sorted here.
 struct OutlierList {
-  std::vector<int32_t> start, row, channel;
+  std::vector<int32_t> start, row, channel, head;
   std::vector<float> value;
-  // list_outliers' scratch: the outliers in storage order, and where each head's next one goes.
-  struct Entry {
-    int32_t row, channel, head;
-  };
-  std::vector<Entry> stored;
-  std::vector<float> stored_value;
-  std::vector<int32_t> fill;
+  std::vector<int64_t> key;  // scratch for outliers stored in another order
+  std::vector<int32_t> order;
 
   // f(r, c, exact value) for head h's outliers in rows [r0, r1).
   template <class F>

@@ -72,7 +72,7 @@ struct Encoder {
     pack(b, n);
   }
 
-  // The n_out values farthest from their group's mean, largest first (torch.topk's order).
+  // The n_out values farthest from their group's mean, stored by head, then row, then channel (as the reference).
   void pick_outliers(const Block& b, int64_t n) {
     std::vector<float> mean(g.count, 0.f);
     if (g.per_channel) {  // members one token apart: add token by token, as torch's strided reduction does
@@ -100,8 +100,9 @@ struct Encoder {
       if (score[i] > cut) order.push_back(i);
     for (int64_t i = 0; i < n && static_cast<int64_t>(order.size()) < n_out; ++i)
       if (score[i] == cut) order.push_back(i);
-    std::sort(order.begin(), order.end(),
-              [&](int64_t a, int64_t c) { return score[a] > score[c] || (score[a] == score[c] && a < c); });
+    const int64_t bs = n / g.row;
+    const auto head_major = [&](int64_t i) { return ((i / dim % heads) * bs + i / g.row) * dim + i % dim; };
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return head_major(a) < head_major(c); });
     for (int64_t j = 0; j < n_out; ++j) {
       const int64_t i = order[j];
       outlier[i] = 1;
