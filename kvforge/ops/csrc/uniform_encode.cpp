@@ -44,22 +44,19 @@ struct Encoder {
   int64_t bits, levels, n_out, param_bits, heads, dim;
   bool coded_zero, wide_index;
   const float* scale_table;  // param_bits 8: the 256 decoded scales
-  std::vector<float> lo, hi, zero, scale, score, ranked, q, expanded[2];
+  std::vector<float> lo, hi, zero, scale, score, ranked, q, row_buffer[2];
   std::vector<int64_t> order;
   std::vector<uint8_t> outlier;
 
-  // Per-group values seen per member: the row of parameters that token t's values use is row_of(t) (per channel the
-  // same row for every token; per token, groups expanded to their members in `buffer`).
-  struct PerMember {
-    const float* first;
-    int64_t stride;
-    const float* row_of(int64_t t) const { return first + t * stride; }
-  };
-  PerMember per_member(const std::vector<float>& params, std::vector<float>& buffer, int64_t n) const {
-    if (g.per_channel) return {params.data(), 0};
-    buffer.resize(n);
-    for (int64_t k = 0; k < g.count; ++k) std::fill_n(buffer.begin() + k * g.group_size, g.group_size, params[k]);
-    return {buffer.data(), g.row};
+  // Token t's values as members see them: per channel the parameters themselves; per token its groups' parameters
+  // repeated over their members, in `buffer` (one row, so scratch stays small).
+  const float* row_params(const std::vector<float>& params, int64_t t, std::vector<float>& buffer) const {
+    if (g.per_channel) return params.data();
+    buffer.resize(g.row);
+    const int64_t groups = g.row / g.group_size;
+    for (int64_t j = 0; j < groups; ++j)
+      std::fill_n(buffer.begin() + j * g.group_size, g.group_size, params[t * groups + j]);
+    return buffer.data();
   }
 
   void run(const Block& b) {
@@ -84,9 +81,8 @@ struct Encoder {
     }
     for (float& m : mean) m /= static_cast<float>(g.members);
     score.resize(n);
-    const PerMember centre = per_member(mean, expanded[0], n);
     for (int64_t t = 0; t < n / g.row; ++t) {
-      const float *x = b.x + t * g.row, *c = centre.row_of(t);
+      const float *x = b.x + t * g.row, *c = row_params(mean, t, row_buffer[0]);
       float* out = score.data() + t * g.row;
 #pragma omp simd
       for (int64_t j = 0; j < g.row; ++j) out[j] = std::fabs(x[j] - c[j]);
@@ -188,20 +184,19 @@ struct Encoder {
   }
 
   void pack(const Block& b, int64_t n) {
-    q.resize(n);
+    q.resize(g.row);
     const float top = static_cast<float>(levels);
-    const PerMember z = per_member(zero, expanded[0], n), sc = per_member(scale, expanded[1], n);
-    for (int64_t t = 0; t < n / g.row; ++t) {
-      const float *x = b.x + t * g.row, *zt = z.row_of(t), *st = sc.row_of(t);
-      float* out = q.data() + t * g.row;
-#pragma omp simd
-      for (int64_t j = 0; j < g.row; ++j) out[j] = std::min(std::max(std::nearbyint((x[j] - zt[j]) / st[j]), 0.f), top);
-    }
     const int64_t per = 8 / bits;
-    for (int64_t byte = 0; byte < n / per; ++byte) {
-      unsigned packed = 0;
-      for (int64_t j = 0; j < per; ++j) packed |= static_cast<unsigned>(q[byte * per + j]) << (j * bits);
-      b.codes[byte] = static_cast<uint8_t>(packed);
+    for (int64_t t = 0; t < n / g.row; ++t) {
+      const float *x = b.x + t * g.row, *z = row_params(zero, t, row_buffer[0]), *sc = row_params(scale, t, row_buffer[1]);
+#pragma omp simd
+      for (int64_t j = 0; j < g.row; ++j) q[j] = std::min(std::max(std::nearbyint((x[j] - z[j]) / sc[j]), 0.f), top);
+      uint8_t* codes = b.codes + t * g.row / per;
+      for (int64_t byte = 0; byte < g.row / per; ++byte) {
+        unsigned packed = 0;
+        for (int64_t j = 0; j < per; ++j) packed |= static_cast<unsigned>(q[byte * per + j]) << (j * bits);
+        codes[byte] = static_cast<uint8_t>(packed);
+      }
     }
   }
 };
