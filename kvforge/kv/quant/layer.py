@@ -68,7 +68,7 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
         new = blocks[offs == 0]
         if self.sink is not None:
             self.sink.release(new)
-            if positions is not None:
+            if positions is not None and bool((positions < self.sinks).any()):
                 self._store_sinks(blocks, offs, positions.long().to(slots.device), rows)
         self._store(blocks, offs, rows, new)
 
@@ -92,13 +92,19 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
             self._claim_stage(new)
             e = self.stage.lookup(blocks)
             staged = e >= 0
-            for s, x in zip(self.stage_rows, rows):
-                s[e[staged], offs[staged]] = x[staged].to(EXACT_DTYPE)
-            self.stage_full[e[staged & (offs == self.bs - 1)]] = True
+            if bool(staged.all()):  # e.g. a decode step's rows, some starting new blocks
+                self._put_staged(e, offs, rows)
+                return
+            self._put_staged(e[staged], offs[staged], [x[staged] for x in rows])
             rest = ~staged
             blocks, offs, rows = blocks[rest], offs[rest], [x[rest] for x in rows]
         if len(blocks):
             self._merge(blocks, offs, rows, new)
+
+    def _put_staged(self, e: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        for s, x in zip(self.stage_rows, rows):
+            s[e, offs] = x.to(EXACT_DTYPE)
+        self.stage_full[e[offs == self.bs - 1]] = True
 
     def _append_staged(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                        positions: torch.Tensor | None) -> bool:
@@ -112,9 +118,9 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
         """Give blocks empty staging entries (full blocks first, then partial ones are flushed to make room)."""
         claim = self.stage.claim(blocks, (~self.stage_full).long() * PARTIAL_BIAS)
         self._flush(claim.victim_blocks, claim.victim_entries)
-        self.stage_full[claim.entries] = False
+        self.stage_full.index_fill_(0, claim.entries, False)
         for s in self.stage_rows:
-            s[claim.entries] = 0
+            s.index_fill_(0, claim.entries, 0)
         return claim
 
     def _merge(self, blocks: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor], new: torch.Tensor) -> None:
@@ -134,11 +140,13 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
     def _encode_into(self, blocks: torch.Tensor, full: list[torch.Tensor]) -> None:
         if self.sink is not None:
             has = self.sink.lookup(blocks) >= 0
-            for x in full:
+            for x in full if bool(has.any()) else []:
                 x[has, : self.sinks] = x[has, self.sinks : self.sinks + 1]
         for c, ps, x in zip(self.codecs, self.parts, full):
             for p, e in zip(ps, c.encode(x)):
-                p[blocks] = e
+                if p.dtype.itemsize == 1:  # float8 has no index_copy_; its bytes do
+                    p, e = p.view(torch.uint8), e.view(torch.uint8)
+                p.index_copy_(0, blocks, e)
 
     def _store_sinks(self, blocks: torch.Tensor, offs: torch.Tensor, positions: torch.Tensor,
                      rows: list[torch.Tensor]) -> None:
