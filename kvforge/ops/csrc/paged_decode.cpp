@@ -102,6 +102,13 @@ void weigh_all(const float* s, int64_t bs, const typename L::T* v, int64_t ldv, 
 }
 #endif
 
+// Head h's rows of block blk's staging entry (fp16, row stride heads * dim), for blocks that have one and no sink
+// rows over it; else null.
+const uint16_t* staged_rows(const Overlay& stage, const Overlay& sink, int64_t blk, int64_t h) {
+  if (!stage.active() || stage.entry_of[blk] < 0 || (sink.active() && sink.entry_of[blk] >= 0)) return nullptr;
+  return reinterpret_cast<const uint16_t*>(stage.rows) + (stage.entry_of[blk] * stage.n * stage.heads + h) * stage.dim;
+}
+
 bool overlaid(const Problem& p, int64_t blk) {
   const auto holds = [blk](const Overlay& o) { return o.active() && o.entry_of[blk] >= 0; };
   return holds(p.staged.k) || holds(p.sinks.k);
@@ -180,12 +187,29 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
           p.V.prefetch(p.table[b * p.W + ahead], h);
         }
         int64_t ldk, ldv;
-        const float* kt = in_place ? nullptr : load(p.K, p.staged.k, p.sinks.k, blk, h, t0, t1, kbuf.data(), &ldk);
+#ifdef __AVX512F__
+        // packed formats' staged blocks, in decode tasks: their fp16 rows read where they are
+        const uint16_t* sk = kPacked && !in_place && rows <= IN_PLACE_ROWS ? staged_rows(p.staged.k, p.sinks.k, blk, h)
+                                                                          : nullptr;
+        const uint16_t* sv = sk ? staged_rows(p.staged.v, p.sinks.v, blk, h) : nullptr;
+#else
+        const uint16_t* sk = nullptr;
+        const uint16_t* sv = nullptr;
+#endif
+        const int64_t lds = p.staged.k.heads * p.staged.k.dim, ldsv = p.staged.v.heads * p.staged.v.dim;
+        const float* kt = in_place || sk ? nullptr : load(p.K, p.staged.k, p.sinks.k, blk, h, t0, t1, kbuf.data(), &ldk);
         if (kPacked && in_place) packed_scores(p.K, k_outliers, blk, h, q, rows, t0, t1, s.data(), bs);
         else for (int64_t i = 0; i < n; ++i) {
           for (int64_t g = i * G; r0s[i] < r1s[i] && g < (i + 1) * G; ++g) {
             int64_t r = r0s[i];
 #ifdef __AVX512F__
+            if constexpr (kPacked) {
+              if (sk) {
+                for (; r + 8 <= r1s[i]; r += 8) dot8<DK, F16Rows>(q + g * D, sk + r * lds, lds, s.data() + g * bs + r);
+                for (; r < r1s[i]; ++r) s[g * bs + r] = dot1<DK, F16Rows>(q + g * D, sk + r * lds);
+                continue;
+              }
+            }
             if constexpr (kInPlace && !kPacked) {
               if (in_place) {
                 const auto* kr = reinterpret_cast<const typename L::T*>(p.K.rows(blk, h));
@@ -210,7 +234,7 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
           for (int64_t g = 0; g < rows; ++g)
             for (int64_t r = t0; r < t1; ++r) s[g * bs + r] *= kscale[r];
         }
-        const float* vt = in_place ? nullptr : load(p.V, p.staged.v, p.sinks.v, blk, h, t0, t1, vbuf.data(), &ldv);
+        const float* vt = in_place || sv ? nullptr : load(p.V, p.staged.v, p.sinks.v, blk, h, t0, t1, vbuf.data(), &ldv);
         for (int64_t g = 0; g < rows; ++g) {  // online softmax; weights outside a row's range become 0
           const int64_t r0 = r0s[g / G], r1 = r1s[g / G];
           float* sg = s.data() + g * bs;
@@ -225,6 +249,10 @@ void run_tasks(const Problem& p, const std::vector<int64_t>& order, std::atomic<
         if constexpr (kPacked) {
           if (in_place) {
             packed_weigh(p.V, v_outliers, blk, h, s.data(), bs, t0, t1, alpha.data(), ah, rows);
+            continue;
+          }
+          if (sv) {
+            weigh_all<F16Rows>(s.data(), bs, sv, ldsv, t0, t1, alpha.data(), ah, rows);
             continue;
           }
         } else if constexpr (kInPlace) {
