@@ -56,7 +56,9 @@ struct Patches {
     });
   }
   __attribute__((always_inline)) void apply(int64_t r, __m512 c[4]) const {
-    for (int k = 0; k < 4; ++k) c[k] = _mm512_mask_loadu_ps(c[k], mask[r][k], code[r] + 16 * k);
+    // a plain load and a masked move, not a masked load: with one, GCC kept storing the callers' accumulators
+    // to memory every row (lanes left out are never used, whatever the row holds there)
+    for (int k = 0; k < 4; ++k) c[k] = _mm512_mask_mov_ps(c[k], mask[r][k], _mm512_load_ps(code[r] + 16 * k));
   }
 };
 
