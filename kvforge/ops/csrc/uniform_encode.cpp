@@ -8,10 +8,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <functional>
 #include <cmath>
+#include <functional>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 namespace kvforge {
@@ -19,12 +18,11 @@ namespace {
 
 constexpr float kMinScale = 1e-6f, kLogMin = -18.f, kLogSteps = 9.f;
 
-// Where the members of each group lie in one block's flat [block_size, heads, dim] values.
+// A block's groups: per channel, `count` = heads * dim groups of the block's tokens; per token, groups of
+// group_size consecutive values of a row (row: heads * dim values).
 struct Groups {
   bool per_channel;
-  int64_t count, members, row;  // row: heads * dim
-  int64_t group_size;
-
+  int64_t count, members, row, group_size;
 };
 
 struct Block {  // one block's input values and output parts
