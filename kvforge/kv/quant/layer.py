@@ -140,8 +140,9 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
     def _encode_into(self, blocks: torch.Tensor, full: list[torch.Tensor]) -> None:
         if self.sink is not None:
             has = self.sink.lookup(blocks) >= 0
-            for x in full if bool(has.any()) else []:
-                x[has, : self.sinks] = x[has, self.sinks : self.sinks + 1]
+            if bool(has.any()):
+                for x in full:
+                    x[has, : self.sinks] = x[has, self.sinks : self.sinks + 1]
         for c, ps, x in zip(self.codecs, self.parts, full):
             for p, e in zip(ps, c.encode(x)):
                 if p.dtype.itemsize == 1:  # float8 has no index_copy_; its bytes do

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
+#include <tuple>
 
 #include "vmath.h"
 
@@ -289,6 +291,15 @@ void Side::outliers(int64_t b, int64_t h, int64_t r0, int64_t r1, float* out) co
   }
 }
 
+namespace {
+// v[i] = old v[order[i]].
+template <class T>
+void permute(std::vector<T>& v, const std::vector<int32_t>& order) {
+  const std::vector<T> old(v);
+  for (size_t i = 0; i < order.size(); ++i) v[i] = old[order[i]];
+}
+}  // namespace
+
 void Side::list_outliers(int64_t b, OutlierList& out) const {
   for (auto* v : {&out.row, &out.channel, &out.head}) v->resize(n_out);
   out.value.resize(n_out);
@@ -334,22 +345,16 @@ void Side::list_outliers(int64_t b, OutlierList& out) const {
     sorted = sorted && key > last;
     last = key;
   }
-  if (!sorted) {
-    out.key.resize(n_out);
+  if (!sorted) {  // stored in another order (by an older version, say): sort by head, row, channel
     out.order.resize(n_out);
-    for (int64_t i = 0; i < n_out; ++i) {
-      out.key[i] = (out.head[i] * bs + out.row[i]) * dim + out.channel[i];
-      out.order[i] = static_cast<int32_t>(i);
-    }
-    std::sort(out.order.begin(), out.order.end(), [&](int32_t x, int32_t y) { return out.key[x] < out.key[y]; });
-    const std::vector<float> value(out.value);
-    for (int64_t i = 0; i < n_out; ++i) {
-      const int64_t k = out.key[out.order[i]];
-      out.channel[i] = static_cast<int32_t>(k % dim);
-      out.row[i] = static_cast<int32_t>(k / dim % bs);
-      out.head[i] = static_cast<int32_t>(k / dim / bs);
-      out.value[i] = value[out.order[i]];
-    }
+    std::iota(out.order.begin(), out.order.end(), 0);
+    std::sort(out.order.begin(), out.order.end(), [&](int32_t x, int32_t y) {
+      return std::tie(out.head[x], out.row[x], out.channel[x]) < std::tie(out.head[y], out.row[y], out.channel[y]);
+    });
+    permute(out.head, out.order);
+    permute(out.row, out.order);
+    permute(out.channel, out.order);
+    permute(out.value, out.order);
   }
   out.start.resize(heads + 1);
   for (int64_t h = 0; h <= heads; ++h)

@@ -29,8 +29,7 @@ enum Reader : int { DECODE_TILES = 0, READ_F16, READ_BF16, READ_INT8, READ_E4M3,
 struct OutlierList {
   std::vector<int32_t> start, row, channel, head;
   std::vector<float> value;
-  std::vector<int64_t> key;  // scratch for outliers stored in another order
-  std::vector<int32_t> order;
+  std::vector<int32_t> order;  // scratch for outliers stored in another order
 
   // f(r, c, exact value) for head h's outliers in rows [r0, r1).
   template <class F>
@@ -82,7 +81,7 @@ struct Side {
   // UNIFORM_TOKEN: s[(r - r0) * groups + j], z[...] = the fp32 scale and zero of group j of row r of head h of
   // block b, for r in [r0, r1).
   void token_params(int64_t b, int64_t h, int64_t r0, int64_t r1, float* s, float* z) const;
-  // Block b's outliers, listed by head into out (its vectors are reused from block to block).
+  // Block b's outliers, sorted by head, row and channel into out (its vectors are reused from block to block).
   void list_outliers(int64_t b, OutlierList& out) const;
   // Bytes of one row of one head in storage.
   int64_t row_bytes() const {

@@ -42,7 +42,7 @@ struct Encoder {
   int64_t bits, levels, n_out, param_bits, heads, dim;
   bool coded_zero, wide_index;
   const float* scale_table;  // param_bits 8: the 256 decoded scales
-  std::vector<float> lo, hi, zero, scale, score, ranked, q, row_buffer[2];
+  std::vector<float> lo, hi, zero, scale, mean, score, ranked, q, row_buffer[2];
   std::vector<int64_t> order;
   std::vector<uint8_t> outlier;
 
@@ -69,7 +69,7 @@ struct Encoder {
 
   // The n_out values farthest from their group's mean, stored by head, then row, then channel (as the reference).
   void pick_outliers(const Block& b, int64_t n) {
-    std::vector<float> mean(g.count, 0.f);
+    mean.assign(g.count, 0.f);
     if (g.per_channel) {  // members one token apart: add token by token, as torch's strided reduction does
       for (int64_t i0 = 0; i0 < n; i0 += g.row)
         for (int64_t c = 0; c < g.row; ++c) mean[c] += b.x[i0 + c];
