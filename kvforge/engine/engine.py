@@ -26,6 +26,7 @@ from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.setup import attach_tiers
+from kvforge.models.bridged import prepare_bridge
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.outputs import RequestOutput
@@ -59,6 +60,9 @@ class LLMEngine:
         self.spec_config = SpeculativeConfig.parse(config.speculative)
         self.draft = load_draft_model(self.spec_config, self.loaded, self.device, self.max_model_len, self.policy,
                                       self.format, config.block_size)  # None unless method 'draft'
+        for weights in (self.loaded, self.draft):  # packed now: no step stalls for it, free memory counts it
+            if weights is not None:
+                prepare_bridge(weights.model)
         num_blocks = self._num_blocks()
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")

@@ -16,7 +16,7 @@ from kvforge.kv.formats import PlainLayerKV
 from kvforge.kv.pool import KVPool
 from kvforge.models.int8_weights import INT8, is_quantized
 from kvforge.ops.int8 import compiled_for
-from kvforge.ops.layer_bridge import BRIDGE_ROWS, layer_bridge, serves
+from kvforge.ops.layer_bridge import BRIDGE_ROWS, WIDE_ROWS, layer_bridge, serves
 from kvforge.ops.panels import PANEL, panels
 
 
@@ -89,6 +89,17 @@ def bridged(model: nn.Module, x: torch.Tensor) -> BridgeWeights | None:
         return None
     weights = _weights(model) if x.shape[0] <= BRIDGE_ROWS else _wide_weights(model)
     return None if weights is None or (weights.int8 and not compiled_for(x)) else weights
+
+
+def prepare_bridge(model: nn.Module) -> None:
+    """Build both of the model's bridge weight sets now, at load, where the bridge serves it, and the LM head's panel
+    copy its wide steps use (ops/layers.py linear): packing SmolLM2's weights takes ~0.4 s, which the first step of
+    more than BRIDGE_ROWS rows would otherwise pay."""
+    if not getattr(model, "use_bridge", False):
+        return
+    x = torch.zeros(WIDE_ROWS, model.config.hidden_size, device=next(model.parameters()).device)
+    if bridged(model, x) is not None:
+        panels(model.lm_head.weight)
 
 
 def forward_bridged(model: nn.Module, weights: BridgeWeights, x: torch.Tensor, cos: torch.Tensor,

@@ -1,6 +1,7 @@
 """Weights packed into panels of 16 output columns, [P, K, 16], for kvforge::panel_linear (csrc/panel_matmul.cpp):
-the tens-of-rows linear of batched decode and speculative verification. The packed copy is made on a weight's
-first such use and kept as an attribute of that weight tensor, so it lives and dies with it."""
+the tens-of-rows linear of batched decode and speculative verification. The packed copy is made when an engine is
+built on a model the layer bridge serves (models/bridged.py prepare_bridge), else on a weight's first such use, and
+kept as an attribute of that weight tensor, so it lives and dies with it."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,7 @@ ATTRIBUTE = "_kvforge_panels"
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / 16), K, 16]: panel p holds columns 16p..16p+15 (zeros past N), k-major."""
     n, k = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -n % PANEL))
+    padded = F.pad(weight, (0, 0, 0, -n % PANEL)) if n % PANEL else weight  # pad copies even when it adds nothing
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 

@@ -12,7 +12,8 @@ from kvforge.engine.engine import LLMEngine
 from kvforge.models import bridged
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.llama import LlamaForCausalLM
-from kvforge.ops import int8, layers_reference
+from kvforge.models.loader import load_model
+from kvforge.ops import int8, layers_reference, panels
 from kvforge.ops.layer_bridge import BRIDGE_ROWS, serves
 from kvforge.ops.panels import pack_panels
 from kvforge.sampling_params import SamplingParams
@@ -190,3 +191,16 @@ def test_steps_of_many_rows_take_the_bridge_on_panels_with_the_same_tokens(tiny_
     assert max(rows) > BRIDGE_ROWS  # decode steps of all 12 sequences ran through it
     monkeypatch.setattr(LlamaForCausalLM, "use_bridge", False)
     assert on == _generate(tiny_loaded, speculative, prompts)
+
+
+def test_the_engine_packs_the_panel_weights_when_built_not_on_the_first_wide_step(tiny_dir, monkeypatch):
+    loaded = load_model(tiny_dir)  # fresh weights: no panel copies yet
+    projections = [w for layer in loaded.model.model.layers
+                   for w in (layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
+                             layer.mlp.down_proj.weight)]
+    assert not any(hasattr(w, panels.ATTRIBUTE) for w in projections)
+    LLMEngine(EngineConfig(kv_cache_memory=1 << 24, max_num_seqs=4), loaded)
+    assert all(hasattr(w, panels.ATTRIBUTE) for w in projections)
+    monkeypatch.setattr(panels, "pack_panels", lambda w: pytest.fail(f"a step packed a weight of {tuple(w.shape)}"))
+    _generate(loaded, {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1},
+              [[(3 * i + j) % 90 + 3 for j in range(20)] for i in range(4)])
