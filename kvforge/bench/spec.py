@@ -7,7 +7,9 @@ alternating order (machine load drifts). `speedup` is the ratio of decode-phase 
 already has its first token; prefill is identical work), `cpu_speedup` that of decode-phase tokens per CPU-second of
 the stepping thread (steadier on a shared machine), `e2e_speedup` that of whole wall times.
 
-Methods: `ngram`; `ngram_fixed` (the same without adaptive planning: every sequence drafts all it can); `ngram_linear`
+Methods: `ngram`; `ngram_ceiling` (prompt lookup whose drafts are cut where plain decoding's output departs from
+them, all verified: every draft accepted, none that would be left out, the most any planner could make of these
+drafts); `ngram_fixed` (the same without adaptive planning: every sequence drafts all it can); `ngram_linear`
 (the planner's cost as before the layer bridge: one line, 0.055 a row, whatever the step's size); `layer_skip` (the first fifth and the last two fifths of the layers, 0-5 and 18-29 on SmolLM2:
 the best of the subsets tried on the untrained model, see docs/results.md); `draft` with `draft_model` (without one, the target drafts for itself:
 a correctness check that must accept every draft, never a speedup).
@@ -21,6 +23,7 @@ from kvforge.bench.progress import Progress
 from kvforge.bench.timing import Clock
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
+from kvforge.engine.spec.ngram import NgramIndex
 from kvforge.errors import ConfigError
 from kvforge.eval.texts import load_text
 from kvforge.sampling_params import SamplingParams
@@ -37,6 +40,7 @@ CHAT = ("Write a short story about a lighthouse keeper who finds a message in a 
         "Plan a one-day tour of an old European city.",
         "What makes a good team leader? Give examples.")
 METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 5},
+           "ngram_ceiling": {"method": "ngram", "num_speculative_tokens": 5, "adaptive": False},
            "ngram_fixed": {"method": "ngram", "num_speculative_tokens": 5, "adaptive": False},
            "ngram_linear": {"method": "ngram", "num_speculative_tokens": 5, "verify_row_cost": 0.055, "bridge_jump": 0.0,
                             "bridge_row_cost": 0.055},
@@ -73,6 +77,22 @@ def _chat(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
 
 
+class _CutIndex(NgramIndex):
+    """Prompt lookup that knows plain decoding's output (`reference`, after a prompt of `prompt_len` tokens) and cuts
+    each proposal where it departs from it."""
+
+    def __init__(self, min_n: int, max_n: int, prompt_len: int, reference: list[int]):
+        super().__init__(min_n, max_n)
+        self.prompt_len, self.reference = prompt_len, reference
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        drafts, truth = super().propose(token_ids, k), self.reference[len(token_ids) - self.prompt_len:]
+        kept = 0
+        while kept < min(len(drafts), len(truth)) and drafts[kept] == truth[kept]:
+            kept += 1
+        return drafts[:kept]
+
+
 class _Arm:
     """One engine (speculation off, or one method) and what it measured over the groups it ran."""
 
@@ -83,6 +103,13 @@ class _Arm:
         self.seconds = self.decode_seconds = self.decode_cpu_seconds = 0.0
         self.decode_tokens = 0
         self.outputs: list[list[int]] = []
+
+    def know_outputs(self, references: dict[tuple[int, ...], list[int]]) -> None:
+        """Draft with _CutIndex: prompt lookup cut to plain decoding's output of each prompt."""
+        spec = self.engine.runner.speculator
+        lo, hi = spec.config.prompt_lookup_min, spec.config.prompt_lookup_max
+        spec.new_index = lambda seq: _CutIndex(lo, hi, len(seq.prompt_token_ids),
+                                               references[tuple(seq.prompt_token_ids)])
 
     def run_group(self, prompts: list[list[int]], max_tokens: int) -> None:
         engine, params = self.engine, SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -128,6 +155,11 @@ def _compare(loaded, methods: dict, prompts: list[list[int]], batch: int, max_to
     arms = {"off": _Arm(loaded, None, batch), **{name: _Arm(loaded, spec, batch) for name, spec in methods.items()}}
     order = list(arms)
     groups = [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
+    if "ngram_ceiling" in arms:  # plain decoding's outputs first, untimed
+        plain = _Arm(loaded, None, batch)
+        for group in groups:
+            plain.run_group(group, max_tokens)
+        arms["ngram_ceiling"].know_outputs({tuple(p): out for p, out in zip(prompts, plain.outputs)})
     progress = Progress(label, rounds * len(groups) * len(arms), show)
     for r in range(rounds):
         for g, group in enumerate(groups):

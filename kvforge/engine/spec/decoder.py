@@ -61,7 +61,7 @@ class SpeculativeDecoder:
             elif k > 0:
                 index = self.ngrams.get(seq.request_id)
                 if index is None:
-                    index = self.ngrams[seq.request_id] = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+                    index = self.ngrams[seq.request_id] = self.new_index(seq)
                 offers.append((seq, index.propose(seq.token_ids, k)))
         if len(self.ngrams) > len(running):
             alive = {seq.request_id for seq in running}
@@ -73,6 +73,10 @@ class SpeculativeDecoder:
         for seq, drafts in offers:
             seq.draft_token_ids = drafts
         self.draft_seconds += time.perf_counter() - start
+
+    def new_index(self, seq) -> NgramIndex:
+        """The n-gram index of a sequence that starts drafting by prompt lookup (`bench spec` swaps in its ceiling)."""
+        return NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
     def draft(self, batch: ScheduledBatch, runner) -> None:
         """After scheduling: the model drafter chooses the tokens of the positions the step reserved."""
