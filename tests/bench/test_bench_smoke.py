@@ -110,10 +110,10 @@ def test_spec_bench_compares_the_same_outputs(tiny_loaded):
 
     workloads = {"grounded": lambda n: [[5, 6, 7, 8, 9] * 5 + [i] for i in range(n)],
                  "chat": lambda n: [list(range(20 + i, 44 + i)) for i in range(n)]}
-    r = spec_bench(tiny_loaded, ["ngram", "layer_skip", "draft"], batches=(1, 3), prompts_b1=2, max_tokens=12,
-                   show=False, workloads=workloads)
+    r = spec_bench(tiny_loaded, ["ngram", "ngram_ceiling", "layer_skip", "draft"], batches=(1, 3), prompts_b1=2,
+                   max_tokens=12, show=False, workloads=workloads)
     assert r["methods"]["layer_skip"]["layers"] == [1] and r["self_draft"]
-    for method in ("ngram", "layer_skip", "draft"):
+    for method in ("ngram", "ngram_ceiling", "layer_skip", "draft"):
         for workload in workloads:
             for key, n in (("b1", 2), ("b3", 3)):
                 on, off = r[method][workload][key], r["off"][workload][key]
@@ -122,6 +122,18 @@ def test_spec_bench_compares_the_same_outputs(tiny_loaded):
                 assert 1.0 <= on["mean_acceptance_length"] <= 1 + 5 and 0.0 <= on["acceptance_rate"] <= 1.0
                 if method == "draft":  # the target drafting for itself accepts everything
                     assert on["acceptance_rate"] == 1.0
+                if method == "ngram_ceiling":  # prompt lookup cut to plain decoding's output: all drafts accepted
+                    assert on["acceptance_rate"] in (0.0, 1.0)
+
+
+def test_the_ceiling_cuts_prompt_lookup_where_plain_decoding_departs():
+    from kvforge.bench.spec import _CutIndex
+
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    index = _CutIndex(2, 4, len(prompt), reference=[3, 1, 9, 9])
+    assert index.propose(prompt, 4) == [3, 1]  # lookup offers 3 1 2 3; plain decoding goes 3 1 9
+    assert index.propose(prompt + [3, 1], 4) == []  # it offers 2 3 ..., plain decoding says 9
+    assert _CutIndex(2, 4, len(prompt), reference=[3]).propose(prompt, 4) == [3]  # no draft past the output's end
 
 
 def test_verify_cost_fits_a_line_on_each_side_of_the_bridge(tiny_loaded):
