@@ -4,8 +4,9 @@
 // 8 rows of x and 3 panels keeps its 24 sums in registers over the whole of K: per k, 3 loads of W, 8
 // broadcasts of x and 24 FMAs. x is taken in blocks of rows that fit L2 (512 KB); for each block the threads
 // split the panel triples, and each triple (K * 48 floats) is read from memory once and from L2 by the following
-// row tiles. Every output is one sum over k in order whatever the row count, so a row's result does not depend on
-// the rows beside it. Without AVX-512 it unpacks W and calls at::linear.
+// row tiles, which meanwhile prefetch the next triple into L2. Every output is one sum over k in order whatever the
+// row count, so a row's result does not depend on the rows beside it. Without AVX-512 it unpacks W and calls
+// at::linear.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,18 +27,34 @@ constexpr int64_t kL2Floats = 131072;  // rows of x per block: 512 KB, so that e
 
 #if defined(__AVX512F__)
 // Rows [0, MR) of x (row stride K) against panels [p0, p0 + NP) of W: y[:, 16 * p0 ...] for columns below N.
+// While a triple's row tiles run (all but the first from L2), the next triple is prefetched into L2, a share of
+// it per tile: `ahead` describes that share, so that memory streams under the arithmetic instead of between it.
+struct Ahead {
+  const float* next = nullptr;  // the next triple's first panel (nullptr: none)
+  int64_t panels = 0, tile = 0, tiles = 1;  // its panels; this tile of the current triple and how many there are
+};
+
 template <int MR, int NP>
-void tile(const float* x, const float* panels, const float* bias, float* y, int64_t K, int64_t N, int64_t p0) {
+void tile(const float* x, const float* panels, const float* bias, float* y, int64_t K, int64_t N, int64_t p0,
+          const Ahead& ahead) {
   __m512 c[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int p = 0; p < NP; ++p) c[m][p] = _mm512_setzero_ps();
   const float* w = panels + p0 * K * kPanel;
+  int64_t countdown = 1, line = ahead.tile * K / ahead.tiles;  // a panel's row k is one cache line
+  const int64_t end = (ahead.tile + 1) * K / ahead.tiles;
   for (int64_t k = 0; k < K; ++k) {
     __m512 wk[NP];
     for (int p = 0; p < NP; ++p) wk[p] = _mm512_loadu_ps(w + (p * K + k) * kPanel);
     for (int m = 0; m < MR; ++m) {
       const __m512 xm = _mm512_set1_ps(x[m * K + k]);
       for (int p = 0; p < NP; ++p) c[m][p] = _mm512_fmadd_ps(xm, wk[p], c[m][p]);
+    }
+    if (ahead.next && --countdown == 0 && line < end) {
+      countdown = ahead.tiles;
+      for (int64_t q = 0; q < ahead.panels; ++q)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead.next + (q * K + line) * kPanel), _MM_HINT_T1);
+      ++line;
     }
   }
   for (int p = 0; p < NP; ++p) {
@@ -50,16 +67,16 @@ void tile(const float* x, const float* panels, const float* bias, float* y, int6
 
 template <int NP>
 void rows_tile(int64_t mr, const float* x, const float* panels, const float* bias, float* y, int64_t K, int64_t N,
-               int64_t p0) {
+               int64_t p0, const Ahead& a) {
   switch (mr) {
-    case 1: return tile<1, NP>(x, panels, bias, y, K, N, p0);
-    case 2: return tile<2, NP>(x, panels, bias, y, K, N, p0);
-    case 3: return tile<3, NP>(x, panels, bias, y, K, N, p0);
-    case 4: return tile<4, NP>(x, panels, bias, y, K, N, p0);
-    case 5: return tile<5, NP>(x, panels, bias, y, K, N, p0);
-    case 6: return tile<6, NP>(x, panels, bias, y, K, N, p0);
-    case 7: return tile<7, NP>(x, panels, bias, y, K, N, p0);
-    default: return tile<8, NP>(x, panels, bias, y, K, N, p0);
+    case 1: return tile<1, NP>(x, panels, bias, y, K, N, p0, a);
+    case 2: return tile<2, NP>(x, panels, bias, y, K, N, p0, a);
+    case 3: return tile<3, NP>(x, panels, bias, y, K, N, p0, a);
+    case 4: return tile<4, NP>(x, panels, bias, y, K, N, p0, a);
+    case 5: return tile<5, NP>(x, panels, bias, y, K, N, p0, a);
+    case 6: return tile<6, NP>(x, panels, bias, y, K, N, p0, a);
+    case 7: return tile<7, NP>(x, panels, bias, y, K, N, p0, a);
+    default: return tile<8, NP>(x, panels, bias, y, K, N, p0, a);
   }
 }
 
@@ -67,15 +84,18 @@ void rows_tile(int64_t mr, const float* x, const float* panels, const float* bia
 
 void panel_range(const float* x, const float* panels, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
                  int64_t p0, int64_t p1) {
+  const int64_t tiles = (M + kRowsPerTile - 1) / kRowsPerTile;
   for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
-    const int64_t np = std::min(kPanelsPerTile, p1 - p);
-    for (int64_t m = 0; m < M; m += kRowsPerTile) {
+    const int64_t np = std::min(kPanelsPerTile, p1 - p), next = p + np;
+    Ahead ahead;
+    if (next < p1) ahead = {panels + next * K * kPanel, std::min(kPanelsPerTile, p1 - next), 0, tiles};
+    for (int64_t m = 0; m < M; m += kRowsPerTile, ++ahead.tile) {
       const int64_t mr = std::min(kRowsPerTile, M - m);
       const float* xm = x + m * K;
       float* ym = y + m * N;
-      if (np == 3) rows_tile<3>(mr, xm, panels, bias, ym, K, N, p);
-      else if (np == 2) rows_tile<2>(mr, xm, panels, bias, ym, K, N, p);
-      else rows_tile<1>(mr, xm, panels, bias, ym, K, N, p);
+      if (np == 3) rows_tile<3>(mr, xm, panels, bias, ym, K, N, p, ahead);
+      else if (np == 2) rows_tile<2>(mr, xm, panels, bias, ym, K, N, p, ahead);
+      else rows_tile<1>(mr, xm, panels, bias, ym, K, N, p, ahead);
     }
   }
 }
