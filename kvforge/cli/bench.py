@@ -65,7 +65,7 @@ def register(sub) -> None:
     f.set_defaults(func=run_kv_formats)
 
     sp = bsub.add_parser("spec", help="speculative decoding vs plain decoding on grounded and open-ended prompts")
-    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods: ngram ngram_fixed ngram_linear layer_skip draft (default: ngram layer_skip, plus draft "
+    sp.add_argument("--methods", nargs="*", default=None, help="drafting methods: ngram ngram_ceiling ngram_fixed ngram_linear layer_skip draft (default: ngram layer_skip, plus draft "
                     "with --draft-model)")
     sp.add_argument("--draft-model", default=None, help="the draft method's model (default: the target itself, "
                     "a correctness check, not a speedup)")
