@@ -93,7 +93,7 @@ def bridged(model: nn.Module, x: torch.Tensor) -> BridgeWeights | None:
 
 def prepare_bridge(model: nn.Module) -> None:
     """Build both of the model's bridge weight sets now, at load, where the bridge serves it, and the LM head's panel
-    copy its wide steps use (ops/layers.py linear): packing SmolLM2's weights takes ~0.4 s, which the first step of
+    copy its wide steps use (ops/layers.py linear): packing SmolLM2's weights takes ~0.6 s, which the first step of
     more than BRIDGE_ROWS rows would otherwise pay."""
     if not getattr(model, "use_bridge", False):
         return
