@@ -91,14 +91,19 @@ def bridged(model: nn.Module, x: torch.Tensor) -> BridgeWeights | None:
     return None if weights is None or (weights.int8 and not compiled_for(x)) else weights
 
 
+def bridged_rows(model: nn.Module, rows: int) -> BridgeWeights | None:
+    """The bridge weights a step of `rows` rows of this model would run on (built now if new), None where it would
+    not run through the bridge (another architecture, the per-op path forced, the kernels not built)."""
+    if not getattr(model, "use_bridge", False):
+        return None
+    return bridged(model, torch.zeros(rows, model.config.hidden_size, device=next(model.parameters()).device))
+
+
 def prepare_bridge(model: nn.Module) -> None:
     """Build both of the model's bridge weight sets now, at load, where the bridge serves it, and the LM head's panel
     copy its wide steps use (ops/layers.py linear): packing SmolLM2's weights takes ~0.6 s, which the first step of
     more than BRIDGE_ROWS rows would otherwise pay."""
-    if not getattr(model, "use_bridge", False):
-        return
-    x = torch.zeros(WIDE_ROWS, model.config.hidden_size, device=next(model.parameters()).device)
-    if bridged(model, x) is not None:
+    if bridged_rows(model, WIDE_ROWS) is not None:
         panels(model.lm_head.weight)
 
 

@@ -11,7 +11,7 @@ from kvforge.errors import ConfigError
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.pool import KVPool
-from kvforge.models.bridged import bridged
+from kvforge.models.bridged import bridged_rows
 from kvforge.models.loader import LoadedModel
 from kvforge.ops.layer_bridge import BRIDGE_ROWS
 
@@ -53,7 +53,4 @@ def _num_parameters(model: torch.nn.Module) -> int:
 def bridge_rows(model: torch.nn.Module) -> int | None:
     """Most rows of a step the model runs through the compiled layer bridge (models/bridged.py), None where it does
     not (another architecture, the per-op path forced, the kernels not built)."""
-    if not getattr(model, "use_bridge", False):
-        return None
-    x = torch.zeros(1, model.config.hidden_size, device=next(model.parameters()).device)
-    return BRIDGE_ROWS if bridged(model, x) is not None else None
+    return BRIDGE_ROWS if bridged_rows(model, 1) is not None else None
