@@ -25,6 +25,7 @@ from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
+from kvforge.kv.tiers.keys import ModelKey
 from kvforge.kv.tiers.setup import attach_tiers
 from kvforge.models.bridged import prepare_bridge
 from kvforge.models.int8_weights import int8_loaded
@@ -73,7 +74,7 @@ class LLMEngine:
         if config.kv_tiers and len(self.groups) > 1:
             raise ConfigError(f"kv_tiers support models with one KV group; this model has {len(self.groups)} "
                               "(full and sliding-window layers); leave kv_tiers unset")
-        self.tiers = attach_tiers(self.kv, config.kv_tiers, self.loaded.model, self.format, self.spec,
+        self.tiers = attach_tiers(self.kv, config.kv_tiers, self._model_key(), self.format, self.spec,
                                   write_through=config.kv_tier_write_through, fsync=config.kv_tier_fsync,
                                   device=self.device) if config.kv_tiers else None
         self.preemption_mode = self._preemption_mode()
@@ -92,6 +93,11 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
+
+    def _model_key(self) -> ModelKey:
+        """Everything about the model(s) that changes the cached K/V, for the tiers' key namespace."""
+        draft = ModelKey.of(self.draft.model, self.draft.config) if self.draft is not None else None
+        return ModelKey.of(self.loaded.model, self.model_config, self.config.weights, draft)
 
     def _preemption_mode(self) -> str:
         """swap needs a tier to swap to; by default it is chosen when a KV policy evicts (recompute cannot rebuild a

@@ -15,6 +15,8 @@ from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.memory import layer_slots
 from kvforge.kv.spec import KVCacheSpec
 
+LAYOUT_VERSION = 1  # the byte layout of export_blocks' payloads (tier keys name it): bump when it changes
+
 
 class KVPool:
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,

@@ -1,27 +1,36 @@
 """Content keys of KV blocks: a hash chain over whole blocks of token ids, seeded with a namespace.
 
-namespace = blake2b(json of {version, weights fingerprint, format name and options, block size, layer spec, salt})
+namespace = blake2b(sorted-key json of {
+                key version (KEY_VERSION), KV layout version (the pool's export layout, kv/pool.py),
+                model: {weights fingerprint (names, shapes, dtypes and a sample of every tensor),
+                        config (every field of the model's config as loaded: RoPE base and scaling, norms, windows,
+                                soft-caps, ...), weights mode (fp32 | int8),
+                        draft: the draft model's {weights, config, weights mode} where one is used, else null},
+                format name and options, block size, layer spec, salt})
 key[0]    = blake2b(namespace || tokens of block 0 as little-endian int64)
 key[i]    = blake2b(key[i-1]  || tokens of block i)
-A block's key thus names its whole prefix. Every input is bytes fixed by the model and the prompt (no Python
-`hash()`, no per-process seed), so every process computes the same key, and a different model, format, option,
-block size or tenant salt never matches. Entries are addressed by (KV group index, key).
+A block's key thus names its whole prefix and everything that changes its K/V. Every input is bytes fixed by the
+model and the prompt (no Python `hash()`, no per-process seed), so every process computes the same key, and a
+different model, config, weights mode, draft, format, option, block size or tenant salt never matches. Entries are
+addressed by (KV group index, key).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvforge.kv.layer_format import KVFormat
+from kvforge.kv.pool import LAYOUT_VERSION
 from kvforge.kv.spec import KVCacheSpec
 
-KEY_VERSION = 1
+KEY_VERSION = 2
 DIGEST_BYTES = 16
 SAMPLES_PER_TENSOR = 4096
 
@@ -56,21 +65,52 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def canonical(value: Any) -> Any:
+    """`value` as plain JSON data (dataclasses and mappings as dicts, tuples as lists), the same in every process."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)  # dtypes, enums: their names
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """What a model contributes to its K/V: weights, configuration as loaded, weights mode, and its draft model."""
+    weights: str  # weights_fingerprint
+    config: Any  # the model's config object (a dataclass) or a mapping
+    weights_mode: str = "fp32"
+    draft: ModelKey | None = None
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, config: Any, weights_mode: str = "fp32",
+           draft: ModelKey | None = None) -> ModelKey:
+        return cls(weights_fingerprint(model), config, weights_mode, draft)
+
+    def describe(self) -> dict:
+        return {"weights": self.weights, "config": canonical(self.config), "weights_mode": self.weights_mode,
+                "draft": self.draft.describe() if self.draft is not None else None}
+
+
 def format_options(fmt: KVFormat) -> dict:
     return dataclasses.asdict(fmt) if dataclasses.is_dataclass(fmt) else {}
 
 
 class KeySpace:
-    """Computes block keys for one engine: its weights, KV format (with options), block size and layer spec."""
+    """Computes block keys for one engine: its model (ModelKey), KV format (with options), block size and layer spec."""
 
-    def __init__(self, weights: str, fmt: KVFormat, block_size: int, spec: KVCacheSpec):
+    def __init__(self, model: ModelKey, fmt: KVFormat, block_size: int, spec: KVCacheSpec):
         self.block_size = block_size
-        self.description = {"version": KEY_VERSION, "weights": weights, "format": fmt.name,
-                            "format_options": format_options(fmt), "block_size": block_size,
-                            "spec": dataclasses.asdict(spec)}
+        self.description = {"version": KEY_VERSION, "layout": LAYOUT_VERSION, "model": model.describe(),
+                            "format": fmt.name, "format_options": canonical(format_options(fmt)),
+                            "block_size": block_size, "spec": canonical(spec)}
 
     def namespace(self, salt: str | None) -> bytes:
-        text = json.dumps({**self.description, "salt": salt}, sort_keys=True, default=str)
+        text = json.dumps({**self.description, "salt": salt}, sort_keys=True, allow_nan=True)
         return _hash(text.encode())
 
     def chain(self, tokens: Sequence[int], salt: str | None, group: int = 0) -> list[BlockKey]:

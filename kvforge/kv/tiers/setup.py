@@ -8,7 +8,7 @@ import torch
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.kv.tiers.chain import TierChain
-from kvforge.kv.tiers.keys import KeySpace, format_options, weights_fingerprint
+from kvforge.kv.tiers.keys import KeySpace, ModelKey, format_options
 from kvforge.kv.tiers.spec import build_tiers
 
 
@@ -25,10 +25,10 @@ def pin_host_memory(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
-def attach_tiers(kv, tier_specs: list[str], model: torch.nn.Module, fmt: KVFormat, spec: KVCacheSpec,
+def attach_tiers(kv, tier_specs: list[str], model: ModelKey, fmt: KVFormat, spec: KVCacheSpec,
                  write_through: bool = False, fsync: bool = True, device: torch.device | str = "cpu") -> TierChain:
     tiers = build_tiers(tier_specs, layout_description(fmt, spec, kv.block_size), pin=pin_host_memory(device),
                         fsync=fsync)
     chain = TierChain(tiers, kv.block_size)
-    kv.attach_tiers(chain, KeySpace(weights_fingerprint(model), fmt, kv.block_size, spec), write_through)
+    kv.attach_tiers(chain, KeySpace(model, fmt, kv.block_size, spec), write_through)
     return chain

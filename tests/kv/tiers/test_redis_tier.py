@@ -59,8 +59,9 @@ def test_killed_redis_loses_no_request(tiny_loaded, private_redis):
 
 def test_second_engine_process_reuses_prefixes(tiny_loaded, tiny_dir, redis_url):
     script = os.path.join(HERE, "share_prefixes.py")
+    path = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])  # the kvforge under test, not an installed one
     done = subprocess.run([sys.executable, script, tiny_dir, redis_url], capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": HERE, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
     e = engine(tiny_loaded, tiers=[redis_url])
     ours = ask_each(e, docs(), salt="shared")
