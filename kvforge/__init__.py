@@ -13,6 +13,10 @@ from kvforge.sampling_params import SamplingParams
 
 
 def __getattr__(name):
+    if name == "__version__":
+        from kvforge.version import package_version
+
+        return package_version()
     if name == "LLM":
         from kvforge.llm import LLM
 

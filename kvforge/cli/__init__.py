@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from kvforge.cli.formatting import apply_formatter, package_version
+from kvforge.cli.formatting import VersionAction, apply_formatter
 from kvforge.cli.signals import sigint_to_main_thread
 from kvforge.errors import KVForgeError
 
@@ -22,7 +22,7 @@ SUBCOMMANDS = ["chat", "generate", "serve", "memory", "advise", "eval", "bench",
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"kvforge {package_version()}")
+    parser.add_argument("--version", action=VersionAction, help="print the version (from git in a checkout) and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         try:

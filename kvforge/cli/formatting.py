@@ -35,10 +35,11 @@ def all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
     return found
 
 
-def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+class VersionAction(argparse._VersionAction):
+    """`--version`: the package version, derived only when asked (in a checkout it runs git)."""
 
-    try:
-        return version("kvforge")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    def __call__(self, parser, namespace, values, option_string=None):
+        from kvforge.version import package_version
+
+        self.version = f"kvforge {package_version()}"
+        super().__call__(parser, namespace, values, option_string)

@@ -13,6 +13,7 @@ import sys
 from kvforge.cli.common import add_engine_options, engine_kwargs
 from kvforge.cli.sampling import add_sampling_options, sampling_params
 from kvforge.errors import ConfigError
+from kvforge.version import package_version
 
 MAX_TOKENS = 256
 
@@ -121,6 +122,7 @@ def kv_stats(engine, ids: list[int], outs) -> dict:
         "generated_tokens": sum(len(o.token_ids) for o in outs),
         "finish_reason": outs[0].finish_reason,
         **{k: v for k, v in s.items() if k.startswith(("spec_", "tier_", "kv_tiers", "swap"))},
+        "kvforge_version": package_version(),
     }
 
 

@@ -5,6 +5,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvforge.lab.matrix import BASELINE
+from kvforge.version import package_version
 
 
 def pareto(points: list[tuple[float, float]]) -> list[bool]:
@@ -82,13 +83,11 @@ def one(records: dict, kind: str) -> dict | None:
 
 
 def build_results(run, ctx, options) -> dict[str, Any]:
-    from kvforge.lab.runner import kvforge_version
-
     base, rows = quality_rows(run.records)
     speed = {c.label: r["result"] for c, r in run.records.items() if c.kind == "speed"}
     pending = [c.name for c in run.cells if not c.skip and c not in run.records]
     return {
-        "kvforge_version": kvforge_version(), "model": ctx.loaded.path, "text": ctx.text_name, "mode": options.mode,
+        "kvforge_version": package_version(), "model": ctx.loaded.path, "text": ctx.text_name, "mode": options.mode,
         "settings": asdict(ctx.settings),
         "run": {"seconds": run.seconds, "measured": run.measured, "reused": run.reused,
                 "interrupted": run.interrupted, "pending": pending},

@@ -5,7 +5,6 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 
 from kvforge.errors import ConfigError
 from kvforge.lab.cache import CellCache
@@ -14,6 +13,7 @@ from kvforge.lab.matrix import plan
 from kvforge.lab.measure import LabContext, run_cell
 from kvforge.lab.options import LabOptions, settings_for
 from kvforge.lab.progress import CellProgress
+from kvforge.version import package_version
 
 
 @dataclass
@@ -25,13 +25,6 @@ class LabRun:
     reused: list[str] = field(default_factory=list)
     interrupted: bool = False
     seconds: float = 0.0
-
-
-def kvforge_version() -> str:
-    try:
-        return metadata.version("kvforge")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def resolve_text(text: str) -> tuple[str, str, list[str]]:
@@ -46,10 +39,12 @@ def resolve_text(text: str) -> tuple[str, str, list[str]]:
     return load_text(path=text), text, ["--text-file", os.path.abspath(text)]
 
 
-def model_fingerprint(path: str) -> dict:
-    """The model's path and file sizes: a re-run against a changed model measures again."""
-    files = [path] if os.path.isfile(path) else sorted(os.path.join(path, n) for n in os.listdir(path))
-    return {"path": os.path.abspath(path), "bytes": [os.path.getsize(f) for f in files if os.path.isfile(f)]}
+def model_identity(loaded) -> dict:
+    """The tiers' ModelKey of the model (weights fingerprint, config as loaded): new weights or config at the same
+    path measure again."""
+    from kvforge.kv.tiers.keys import ModelKey
+
+    return ModelKey.of(loaded.model, loaded.config).describe()
 
 
 def check_formats(specs: list[str], config) -> None:
@@ -76,8 +71,8 @@ def prepare(options: LabOptions) -> tuple[LabContext, list[Cell], dict]:
     settings = settings_for(options, loaded.config.max_position_embeddings, len(all_ids))
     ctx = LabContext(loaded, text, name, text_args, loaded.path if options.model else None,
                      all_ids[:settings.tokens], settings)
-    key_context = {"model": model_fingerprint(loaded.path), "text": hashlib.sha256(text.encode()).hexdigest(),
-                   "kvforge": kvforge_version()}
+    key_context = {"model": model_identity(loaded), "text": hashlib.sha256(text.encode()).hexdigest(),
+                   "kvforge": package_version()}
     return ctx, plan(options, settings, bool(loaded.tokenizer.chat_template)), key_context
 
 

@@ -15,6 +15,7 @@ from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.llm import LLM
 from kvforge.sampling_params import SamplingParams
+from kvforge.version import package_version
 
 ENGINE = ["--kv-memory", "64MiB", "--max-model-len", "1024"]
 QUESTION = "What is the capital of France?"
@@ -71,6 +72,7 @@ def test_system_stop_and_n_samples(capsys, offline, smol_loaded):
     again = offline.generate("Once upon a time", SamplingParams(n=3, seed=5, max_tokens=8))[0].outputs
     assert samples == [o.text for o in again] and len(set(samples)) > 1
     assert body["stats"]["generated_tokens"] == sum(len(s["token_ids"]) for s in body["samples"])
+    assert body["stats"]["kvforge_version"] == package_version()
 
 
 def test_unseeded_runs_differ():
