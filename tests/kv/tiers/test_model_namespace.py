@@ -61,8 +61,9 @@ def test_int8_and_fp32_weights_share_no_block(tiny_loaded, tmp_path):
     assert hits == 0 and tokens(outs) == alone
 
 
-def test_same_model_in_two_engines_still_shares(tiny_loaded, retheta_loaded, tmp_path):
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_same_model_in_two_engines_still_shares(retheta_loaded, weights, tmp_path):
     tiers = [f"disk:{tmp_path}:16MiB"]
-    written = fill_disk(retheta_loaded, tiers)
-    outs, hits = reader(retheta_loaded, tiers)
+    written = fill_disk(retheta_loaded, tiers, weights=weights)
+    outs, hits = reader(retheta_loaded, tiers, weights=weights)
     assert hits == 4 * 32 and tokens(outs) == tokens(written)
