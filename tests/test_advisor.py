@@ -245,7 +245,7 @@ def test_prior_losses_are_the_measured_table_in_docs_results():
 
     from kvforge.advise.tree import PRIOR_LOSS
 
-    text = (Path(__file__).parents[1] / "docs" / "results.md").read_text()
+    text = (Path(__file__).parents[1] / "docs" / "history" / "results-log.md").read_text()
     table = text[text.index("## KV quantization"):]
     measured = {}
     for row in re.finditer(r"^\| (fp32|fp16|bf16|int8|fp8_e4m3|fp8_e5m2|int4|kivi2)\b[^|]*\|([^|]*\|){3} *\**([+-]?[\d.]+)%?\**",
