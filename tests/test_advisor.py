@@ -241,15 +241,11 @@ def test_measure_ranks_real_measurements(capsys, one_thread):
 def test_prior_losses_are_the_measured_table_in_docs_results():
     """The advisor's static quality numbers are the project's own measurements, not remembered literature."""
     import re
-    from pathlib import Path
 
     from kvforge.advise.tree import PRIOR_LOSS
+    from kvforge.bench.results_doc import load
 
-    text = (Path(__file__).parents[1] / "docs" / "history" / "results-log.md").read_text()
-    table = text[text.index("## KV quantization"):]
-    measured = {}
-    for row in re.finditer(r"^\| (fp32|fp16|bf16|int8|fp8_e4m3|fp8_e5m2|int4|kivi2)\b[^|]*\|([^|]*\|){3} *\**([+-]?[\d.]+)%?\**",
-                           table, re.MULTILINE):
-        measured.setdefault(row.group(1), float(row.group(3)))
+    measured = {fid.split(":", 1)[1]: float(re.match(r"[+-]?[\d.]+", f.value).group())
+                for fid, f in load().by_id().items() if fid.startswith("prior-loss:")}
     assert set(measured) == set(PRIOR_LOSS)
     assert measured == pytest.approx(PRIOR_LOSS, abs=1e-9)

@@ -16,8 +16,8 @@ LONG_CONTEXT = 32 * 1024
 STREAMING_BUDGET = 4096  # StreamingLLM's cache when memory does not ask for less
 MIN_CACHE = 256
 # Perplexity increase (%) of each format vs the fp32 cache: the project's measurement in docs/results.md
-# ("KV quantization": `kvforge eval ppl --kv-dtype D --max-tokens 4096`, 4,096 tokens of Hamlet, SmolLM2-135M).
-# A prior only; `advise --measure` measures the user's own model. A test keeps this equal to that table.
+# ("KV formats", the Hamlet column: `kvforge eval ppl --kv-dtype D --max-tokens 4096`, SmolLM2-135M).
+# A prior only; `advise --measure` measures the user's own model. A test keeps this equal to docs/results.json.
 PRIOR_LOSS = {"fp32": 0.0, "fp16": 0.0, "bf16": 0.01, "fp8_e4m3": 0.74, "fp8_e5m2": 3.39, "int8": 0.11, "int4": 0.41,
               "kivi2": 3.21}
 PRIOR_SOURCE = "measured on SmolLM2-135M, 4,096 tokens of Hamlet (docs/results.md)"

@@ -11,7 +11,7 @@ Methods: `ngram`; `ngram_ceiling` (prompt lookup whose drafts are cut where plai
 them, all verified: every draft accepted, none that would be left out, the most any planner could make of these
 drafts); `ngram_fixed` (`ngram` without adaptive planning: every sequence drafts all it can); `ngram_linear`
 (the planner's cost as before the layer bridge: one line, 0.055 a row, whatever the step's size); `layer_skip` (the first fifth and the last two fifths of the layers, 0-5 and 18-29 on SmolLM2:
-the best of the subsets tried on the untrained model, see docs/results.md); `draft` with `draft_model` (without one, the target drafts for itself:
+the best of the subsets tried on the untrained model, docs/history/results-log.md); `draft` with `draft_model` (without one, the target drafts for itself:
 a correctness check that must accept every draft, never a speedup).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Real, human-written texts that installed packages or the operating system ship.
 
-PANEL: five kinds of text the quality goals must hold on (see docs/results.md for where each comes from);
+PANEL: five kinds of text the quality goals must hold on (docs/history/results-log.md says where each comes from);
 HELD_OUT: a sixth text, of yet another kind, that defaults are confirmed on but never tuned on.
 """
 from __future__ import annotations
