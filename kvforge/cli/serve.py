@@ -69,7 +69,16 @@ def startup_lines(engine, model_name: str, url: str) -> list[str]:
          f"({s['kv_blocks_total'] * s['kv_block_size']:,} tokens), policy {engine.policy.name}, "
          f"prefix caching {'on' if engine.kv.prefix_tree is not None else 'off'}"),
         f"serving the OpenAI API at {url}/v1 (max_num_seqs {cfg.max_num_seqs})",
-    ]
+    ] + tier_lines(engine)
+
+
+def tier_lines(engine) -> list[str]:
+    if engine.tiers is None:
+        return []
+    chain = engine.tiers
+    modes = [f"{t.name} ({'write-through' if w else 'write-back'})" for t, w in zip(chain.tiers, chain.write_through)]
+    return [(f"KV tiers: {', '.join(modes)}; a clean stop (SIGTERM, Ctrl-C) writes cached blocks to disk and redis "
+             "tiers, a crash keeps what write-through stored")]
 
 
 def run(args) -> int:
@@ -91,15 +100,29 @@ def run(args) -> int:
     if args.ray:
         return run_on_ray(args)
     sock = bind(args.host, args.port)
+    app = None
     try:
         engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
         config = server_config(args)
         name = args.served_model_name or model_name(engine)
         for line in startup_lines(engine, name, f"http://{args.host}:{args.port}"):
             print(f"kvforge: {line}", file=sys.stderr, flush=True)
-        return serve_app(build_app(engine, config), sockets=[sock], log_level=args.log_level)
+        app = build_app(engine, config)
+        return serve_app(app, sockets=[sock], log_level=args.log_level)
     finally:
         sock.close()
+        if app is not None:
+            close_engine(app)
+
+
+def close_engine(app) -> None:
+    """After uvicorn's shutdown (SIGTERM, Ctrl-C): keep the KV cache in the KV tiers for the next process, unless
+    the engine loop thread still holds the engine."""
+    loop = app.state.engine_loop
+    if not loop.stopped:
+        print("kvforge: the engine loop did not stop; KV tiers were not flushed", file=sys.stderr, flush=True)
+        return
+    loop.engine.close()
 
 
 def server_config(args):
