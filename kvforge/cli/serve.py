@@ -4,8 +4,10 @@ The port is taken before the model loads, so a busy port fails at once.
 """
 from __future__ import annotations
 
+import signal
 import socket
 import sys
+import threading
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
 from kvforge.errors import ConfigError
@@ -158,8 +160,21 @@ def serve_app(app, sockets=None, **uvicorn_options) -> int:
         server.should_exit = True
 
     loop.on_death = exit_on_death
+    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
     try:
         server.run(sockets=sockets)
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+    except (KeyboardInterrupt, Terminated):  # uvicorn re-raises the Ctrl-C or SIGTERM it shut down on
         pass
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 1 if loop.error is not None else 0
+
+
+class Terminated(Exception):
+    """SIGTERM, after uvicorn's graceful shutdown: the caller still closes the engine (its default action would
+    end the process at once)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
