@@ -49,7 +49,8 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     write.add_argument("--kv-tier-write-back", dest="kv_tier_write_through", action="store_const", const=False,
                        help="a KV tier stores a block only when it leaves the pool (or the tier above): fewer writes; a "
                             f"clean stop (end of run, Ctrl-C, SIGTERM) writes the cached blocks to disk and redis tiers "
-                            f"within {CLOSE_TIMEOUT_S:.0f} s, a crash loses every block not yet evicted")
+                            f"within {CLOSE_TIMEOUT_S:.0f} s, a crash loses every block not yet evicted (default: only host "
+                            "tiers write back)")
     g.add_argument("--no-kv-tier-fsync", action="store_true",
                    help="do not fsync disk-tier block files (faster stores; a power cut may lose recent blocks)")
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
