@@ -11,6 +11,7 @@ import pytest
 from tier_helpers import BS, GREEDY, ask_each, docs, engine
 
 from kvforge.llm import LLM
+from kvforge.sampling_params import SamplingParams
 
 ROOMY = 64  # pool blocks: nothing is ever evicted, so write-back alone would store nothing
 PER_DOC = 32 // BS
@@ -111,7 +112,7 @@ def _spec(tiny_dir: str) -> dict:
 def test_draft_model_kv_travels_with_the_target(tiny_loaded, tiny_dir, tmp_path):
     """Draft = target accepts every draft; a block loaded from a tier must bring the draft's K/V too, else the
     draft reads stale rows and acceptance falls."""
-    params = GREEDY.__class__(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = [o.token_ids for o in _ask(engine(tiny_loaded, ROOMY), params)]
     first = engine(tiny_loaded, ROOMY, tiers=[_disk(tmp_path)], speculative=_spec(tiny_dir))
     assert [o.token_ids for o in _ask(first, params)] == plain
