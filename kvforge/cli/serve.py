@@ -124,7 +124,12 @@ def close_engine(app) -> None:
     if not loop.stopped:
         print("kvforge: the engine loop did not stop; KV tiers were not flushed", file=sys.stderr, flush=True)
         return
-    loop.engine.close()
+    engine = loop.engine
+    engine.close()
+    if engine.tiers is not None:
+        s = engine.stats()
+        print(f"kvforge: KV tiers closed: {s['tier_close_queued_blocks']} cached blocks written at shutdown, "
+              f"{s['tier_close_unwritten_blocks']} left unwritten", file=sys.stderr, flush=True)
 
 
 def server_config(args):

@@ -78,7 +78,7 @@ def test_serve_writes_its_cache_on_sigterm(char_dir, tmp_path):
     finally:
         proc.kill()
         err = proc.communicate()[1]
-    assert "KV tiers: disk (write-back)" in err
+    assert "KV tiers: disk (write-back)" in err and "KV tiers closed: 5 cached blocks written at shutdown" in err
     assert len(os.listdir(tier_dir)) == 5
     engine = LLMEngine(EngineConfig(model=char_dir, kv_tiers=[f"disk:{tier_dir}:16MiB"], kv_cache_memory="8MiB",
                                     max_model_len=512))
