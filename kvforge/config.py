@@ -33,7 +33,9 @@ class EngineConfig:
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh randomness every run
     kv_tiers: list[str] | None = None  # tiers below the pool, lookup order: "host:8GiB", "disk:PATH:100GiB", "redis://HOST:PORT"
     preemption_mode: str | None = None  # "recompute" | "swap"; None = swap when a KV policy evicts and a host tier exists
-    kv_tier_write_through: bool = False  # store a block in the first tier when it is cached, not only when it leaves the pool
+    # True: every tier gets a block when it is cached; False: a tier gets what leaves the pool (or the tier above);
+    # None: write-through for disk and Redis (other processes reuse blocks at once), write-back for host
+    kv_tier_write_through: bool | None = None
     kv_tier_fsync: bool = True  # disk tier: fsync each block file before its rename, and the directory after
     weights: str = "fp32"  # "int8": weight-only int8 linear layers (per-output-channel scales), fp32 activations
 
@@ -76,9 +78,11 @@ class EngineConfig:
             self.kv_tiers = [self.kv_tiers]
         for text in self.kv_tiers or []:
             check_tier_spec(text)
-        for name in ("kv_tier_write_through", "kv_tier_fsync"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.kv_tier_fsync, bool):
+            raise ConfigError(f"kv_tier_fsync must be True or False, got {self.kv_tier_fsync!r}")
+        if self.kv_tier_write_through is not None and not isinstance(self.kv_tier_write_through, bool):
+            raise ConfigError("kv_tier_write_through must be True, False or None (write-through for disk and Redis, "
+                              f"write-back for host), got {self.kv_tier_write_through!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.kv_layout != "paged":

@@ -1,6 +1,7 @@
 """LLM: the offline, vLLM-shaped Python API."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
@@ -16,19 +17,37 @@ class LLM:
 
     engine_options are EngineConfig's fields; kv_cache_memory takes bytes or a size string ("512MiB"), and
     vLLM's gpu_memory_utilization is accepted as kv_cache_memory_fraction (the share of free memory for KV).
+
+    `close()` (also on leaving `with LLM(...) as llm:`, when the LLM is garbage-collected, and at interpreter exit)
+    writes the KV blocks that KV tiers would otherwise lose to them, so the next process finds them.
     """
 
     def __init__(self, model: str | None = None, **engine_options):
         if "gpu_memory_utilization" in engine_options:
             engine_options["kv_cache_memory_fraction"] = engine_options.pop("gpu_memory_utilization")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._closer = weakref.finalize(self, self.engine.close)  # runs once: close(), collection or exit
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
-        """Wrap an existing engine (e.g. one built over already loaded weights)."""
+        """Wrap an existing engine (e.g. one built over already loaded weights); its owner closes it, or `close()`."""
         llm = cls.__new__(cls)
         llm.engine = engine
+        llm._closer = None
         return llm
+
+    def close(self) -> None:
+        """Keep the KV cache for the next process and close the KV tiers (engine.close); the LLM serves nothing after."""
+        if self._closer is not None:
+            self._closer()
+        else:
+            self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

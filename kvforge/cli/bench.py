@@ -100,6 +100,8 @@ def register(sub) -> None:
                     help="tokens each pressure request generates (default: 64)")
     ti.add_argument("--replica-docs", type=int, default=8, help="documents of the two-engine run (default: 8)")
     ti.add_argument("--seed", type=int, default=0, help="workload seed")
+    ti.add_argument("--host-write-modes", action="store_true",
+                    help="instead: the host tier written back vs written through (time, hit rate of second asks)")
     _output_options(ti, model=True)
     ti.set_defaults(func=run_tiers)
 
@@ -228,6 +230,13 @@ def run_tiers(args) -> int:
     from kvforge.bench.tiers import tiers_bench
     from kvforge.models.loader import load_model
 
+    if args.host_write_modes:
+        from kvforge.bench.tier_write_modes import host_write_modes
+
+        r = host_write_modes(load_model(args.model), args.docs, args.doc_tokens, args.kv_dtype, args.pool_docs,
+                             args.host_docs, args.seed, show=not args.no_progress)
+        _emit(r, args.json, list(r.items()))
+        return 0
     r = tiers_bench(load_model(args.model), args.docs, args.doc_tokens, args.kv_dtype, args.pool_docs, args.host_docs,
                     args.disk_docs, args.redis, pressure_requests=args.pressure_requests,
                     pressure_output_tokens=args.pressure_output_tokens, replica_docs=args.replica_docs, seed=args.seed,

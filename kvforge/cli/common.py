@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from kvforge.config import WEIGHT_KINDS, EngineConfig
+from kvforge.kv.tiers.persist import CLOSE_TIMEOUT_S
 from kvforge.memcalc import parse_size
 from kvforge.options import json_object
 
@@ -40,9 +41,16 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     g.add_argument("--kv-tier", dest="kv_tiers", action="append", default=None, metavar="TIER",
                    help="a KV tier below the pool, repeatable, in lookup order: host:8GiB, disk:PATH:100GiB, "
                         "redis://HOST:PORT[/DB] (default: none)")
-    g.add_argument("--kv-tier-write-through", action="store_true",
-                   help="store a block in the first KV tier as soon as it is cached, not only when it leaves the pool "
-                        "(write-through, as in SGLang HiCache; default: write-back)")
+    write = g.add_mutually_exclusive_group()
+    write.add_argument("--kv-tier-write-through", dest="kv_tier_write_through", action="store_const", const=True,
+                       default=None, help="every KV tier stores a block as soon as it is cached (as in SGLang HiCache). "
+                       "Default: write-through for disk and redis tiers (other processes reuse a block at once; a "
+                       "crash keeps every block stored before it), write-back for host tiers")
+    write.add_argument("--kv-tier-write-back", dest="kv_tier_write_through", action="store_const", const=False,
+                       help="a KV tier stores a block only when it leaves the pool (or the tier above): fewer writes; a "
+                            f"clean stop (end of run, Ctrl-C, SIGTERM) writes the cached blocks to disk and redis tiers "
+                            f"within {CLOSE_TIMEOUT_S:.0f} s, a crash loses every block not yet evicted (default: only host "
+                            "tiers write back)")
     g.add_argument("--no-kv-tier-fsync", action="store_true",
                    help="do not fsync disk-tier block files (faster stores; a power cut may lose recent blocks)")
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],

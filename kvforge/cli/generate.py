@@ -74,7 +74,6 @@ def prompt_ids(llm, text: str, args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from kvforge import LLM
-    from kvforge.cli.streaming import stream_request
 
     text = read_prompt(args)
     if not text.strip():
@@ -82,7 +81,13 @@ def run(args: argparse.Namespace) -> int:
     if args.n < 1:
         raise ConfigError(f"-n must be >= 1, got {args.n}")
     params = sampling_params(args, args.max_tokens, args.n)
-    llm = LLM(**engine_kwargs(args))
+    with LLM(**engine_kwargs(args)) as llm:  # closing keeps the KV cache in KV tiers for the next run
+        return complete(llm, text, params, args)
+
+
+def complete(llm, text: str, params, args: argparse.Namespace) -> int:
+    from kvforge.cli.streaming import stream_request
+
     ids = prompt_ids(llm, text, args)
     if args.json or args.no_stream or args.n > 1:
         outs = llm.generate(ids, params)[0].outputs

@@ -4,8 +4,10 @@ The port is taken before the model loads, so a busy port fails at once.
 """
 from __future__ import annotations
 
+import signal
 import socket
 import sys
+import threading
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
 from kvforge.errors import ConfigError
@@ -69,7 +71,16 @@ def startup_lines(engine, model_name: str, url: str) -> list[str]:
          f"({s['kv_blocks_total'] * s['kv_block_size']:,} tokens), policy {engine.policy.name}, "
          f"prefix caching {'on' if engine.kv.prefix_tree is not None else 'off'}"),
         f"serving the OpenAI API at {url}/v1 (max_num_seqs {cfg.max_num_seqs})",
-    ]
+    ] + tier_lines(engine)
+
+
+def tier_lines(engine) -> list[str]:
+    if engine.tiers is None:
+        return []
+    chain = engine.tiers
+    modes = [f"{t.name} ({'write-through' if w else 'write-back'})" for t, w in zip(chain.tiers, chain.write_through)]
+    return [(f"KV tiers: {', '.join(modes)}; a clean stop (SIGTERM, Ctrl-C) writes cached blocks to disk and redis "
+             "tiers, a crash keeps what write-through stored")]
 
 
 def run(args) -> int:
@@ -91,15 +102,34 @@ def run(args) -> int:
     if args.ray:
         return run_on_ray(args)
     sock = bind(args.host, args.port)
+    app = None
     try:
         engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
         config = server_config(args)
         name = args.served_model_name or model_name(engine)
         for line in startup_lines(engine, name, f"http://{args.host}:{args.port}"):
             print(f"kvforge: {line}", file=sys.stderr, flush=True)
-        return serve_app(build_app(engine, config), sockets=[sock], log_level=args.log_level)
+        app = build_app(engine, config)
+        return serve_app(app, sockets=[sock], log_level=args.log_level)
     finally:
         sock.close()
+        if app is not None:
+            close_engine(app)
+
+
+def close_engine(app) -> None:
+    """After uvicorn's shutdown (SIGTERM, Ctrl-C): keep the KV cache in the KV tiers for the next process, unless
+    the engine loop thread still holds the engine."""
+    loop = app.state.engine_loop
+    if not loop.stopped:
+        print("kvforge: the engine loop did not stop; KV tiers were not flushed", file=sys.stderr, flush=True)
+        return
+    engine = loop.engine
+    engine.close()
+    if engine.tiers is not None:
+        s = engine.stats()
+        print(f"kvforge: KV tiers closed: {s['tier_close_queued_blocks']} cached blocks written at shutdown, "
+              f"{s['tier_close_unwritten_blocks']} left unwritten", file=sys.stderr, flush=True)
 
 
 def server_config(args):
@@ -135,8 +165,21 @@ def serve_app(app, sockets=None, **uvicorn_options) -> int:
         server.should_exit = True
 
     loop.on_death = exit_on_death
+    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
     try:
         server.run(sockets=sockets)
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+    except (KeyboardInterrupt, Terminated):  # uvicorn re-raises the Ctrl-C or SIGTERM it shut down on
         pass
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 1 if loop.error is not None else 0
+
+
+class Terminated(Exception):
+    """SIGTERM, after uvicorn's graceful shutdown: the caller still closes the engine (its default action would
+    end the process at once)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()

@@ -26,6 +26,7 @@ from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.keys import ModelKey
+from kvforge.kv.tiers.persist import CLOSE_TIMEOUT_S, close_tiers
 from kvforge.kv.tiers.setup import attach_tiers
 from kvforge.models.bridged import prepare_bridge
 from kvforge.models.int8_weights import int8_loaded
@@ -74,9 +75,6 @@ class LLMEngine:
         if config.kv_tiers and len(self.groups) > 1:
             raise ConfigError(f"kv_tiers support models with one KV group; this model has {len(self.groups)} "
                               "(full and sliding-window layers); leave kv_tiers unset")
-        self.tiers = attach_tiers(self.kv, config.kv_tiers, self._model_key(), self.format, self.spec,
-                                  write_through=config.kv_tier_write_through, fsync=config.kv_tier_fsync,
-                                  device=self.device) if config.kv_tiers else None
         self.preemption_mode = self._preemption_mode()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    self.preemption_mode)
@@ -90,6 +88,10 @@ class LLMEngine:
             drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
             self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter,
                                                         bridge_rows(self.loaded.model))
+        draft = (self.draft.model, drafter.pool) if self.draft is not None else None  # tiers move its K/V too
+        self.tiers = attach_tiers(self.kv, config.kv_tiers, self._model_key(), self.format, self.spec,
+                                  write_through=config.kv_tier_write_through, fsync=config.kv_tier_fsync,
+                                  device=self.device, draft=draft) if config.kv_tiers else None
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
@@ -205,10 +207,12 @@ class LLMEngine:
         self.scheduler.finish(seq)
         return True
 
-    def close(self) -> None:
-        """Finish queued tier stores and close tier connections (the engine serves nothing after this)."""
-        if self.tiers is not None:
-            self.tiers.close()
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Keep the KV cache for the next process: cached blocks the shared tiers lack (write-back) and queued stores
+        are written within `timeout` seconds (what is left is counted and logged), then tier connections close. The
+        engine serves nothing after this; a second call does nothing."""
+        if self.tiers is not None and not self.tiers.closed:
+            close_tiers(self.kv, timeout)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

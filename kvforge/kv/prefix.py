@@ -253,6 +253,10 @@ class PrefixTree:
             gone[node] = k == 0
         return total
 
+    def nodes(self) -> list[RadixNode]:
+        """Every node below the salt roots, parents before children."""
+        return self._postorder()[::-1]
+
     # ---- invariants ---------------------------------------------------------------------------
 
     def _postorder(self) -> list[RadixNode]:

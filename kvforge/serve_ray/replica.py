@@ -62,9 +62,10 @@ class KVForgeReplica:
         }
 
     def __del__(self) -> None:
+        """Ray Serve's replica shutdown: stop the loop, then close the engine (its KV cache stays in the tiers)."""
         loop = getattr(self, "loop", None)
-        if loop is not None:
-            loop.stop(timeout=5)
+        if loop is not None and loop.stop(timeout=5):
+            self.engine.close()
 
 
 def _replica_id() -> str:

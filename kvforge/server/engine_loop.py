@@ -102,6 +102,11 @@ class EngineLoop:
         return True
 
     @property
+    def stopped(self) -> bool:
+        """No loop thread holds the engine (never started, stopped, or died): the caller may close it."""
+        return self._thread is None or not self._thread.is_alive()
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None and not self._closed
 

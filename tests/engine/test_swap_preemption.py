@@ -91,3 +91,14 @@ def test_swapped_request_reclaims_idle_prefix_blocks_to_come_back(tiny_loaded):
             break
         e.step()
     assert not e.has_unfinished_requests() and e.kv.swapped_in_blocks == 10
+
+
+def test_swap_moves_the_draft_models_kv_too(tiny_loaded, tiny_dir):
+    """Draft = target accepts every draft, unless a swapped-in block lacks the draft's K/V."""
+    spec = {"method": "draft", "model": tiny_dir, "num_speculative_tokens": 3}
+    roomy = run(engine(tiny_loaded, 200))
+    e = engine(tiny_loaded, 52, kv_tiers=["host:16MiB"], preemption_mode="swap", speculative=spec)  # 26 shared blocks
+    assert run(e) == roomy
+    s = e.stats()
+    assert s["swapped_in_blocks"] == s["swapped_out_blocks"] > 0 and s["swap_failures"] == 0
+    assert s["spec_num_draft_tokens"] > 0 and s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"]

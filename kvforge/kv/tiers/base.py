@@ -15,6 +15,7 @@ class Tier(ABC):
 
     name: str
     capacity_bytes: int | None = None  # None: bounded by the store itself (Redis's maxmemory)
+    shared = False  # other processes read it and it outlives this one (disk, Redis): write-through by default
 
     @abstractmethod
     def contains(self, keys: list[BlockKey]) -> list[bool]: ...

@@ -21,14 +21,21 @@ log = logging.getLogger("kvforge.kv.tiers")
 
 
 class TierChain:
-    def __init__(self, tiers: list[Tier], block_size: int):
+    """`write_through[t]`: tier t gets every block when it is cached (`store_through`); the other tiers form the
+    write-back chain: `store` writes the first of them, and what one pushes out goes to the next of them."""
+
+    def __init__(self, tiers: list[Tier], block_size: int, write_through: list[bool] | None = None):
         self.tiers = tiers
         self.block_size = block_size
+        self.write_through = write_through or [False] * len(tiers)
+        self.through_tiers = [t for t, w in enumerate(self.write_through) if w]
+        self.back_tiers = [t for t, w in enumerate(self.write_through) if not w]
         self.stats = [TierStats() for _ in tiers]
         self.pending: dict[BlockKey, bytes] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._warned: set[int] = set()
+        self.closed = False
         self._worker = threading.Thread(target=self._run, name="kvforge-tier-store", daemon=True)
         self._worker.start()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-tier-load")
@@ -105,12 +112,22 @@ class TierChain:
     # -- stores (queued; the worker writes) ----------------------------------------------------
 
     def store(self, items: list[tuple[BlockKey, bytes]]) -> None:
-        if not items or not self.tiers:
+        """Write-back: items go to the first write-back tier (tier 0 when every tier is write-through: a swap)."""
+        self.store_to(items, self.back_tiers[:1] or [0], push=True)
+
+    def store_through(self, items: list[tuple[BlockKey, bytes]]) -> None:
+        """Write-through: items go to every write-through tier."""
+        self.store_to(items, self.through_tiers, push=False)
+
+    def store_to(self, items: list[tuple[BlockKey, bytes]], targets: list[int], push: bool) -> None:
+        """Queue items for each tier in targets; with `push`, what a tier pushes out goes on down the write-back
+        chain (without, it is dropped: the tiers below got those blocks when they were cached)."""
+        if not items or not self.tiers or not targets:
             return
         with self._lock:
             for k, v in items:
                 self.pending[k] = v
-        self._queue.put(items)
+        self._queue.put((items, targets, push))
 
     def discard(self, keys: list[BlockKey]) -> None:
         """Forget entries nobody will read again (a swap-in's private blocks), queued or stored."""
@@ -120,30 +137,44 @@ class TierChain:
         for t, tier in enumerate(self.tiers):
             self._call(t, tier.discard, keys, default=None, load=False)
 
-    def flush(self) -> None:
-        """Wait until every queued store is written (tests, benchmarks, shutdown)."""
-        self._queue.join()
+    def flush(self, timeout: float | None = None) -> int:
+        """Wait until every queued store is written, or `timeout` seconds; returns the blocks not yet written."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = self._queue.all_tasks_done
+        with done:
+            while self._queue.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                done.wait(left)
+        with self._lock:
+            return len(self.pending)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> int:
+        """Write what is queued (for at most `timeout` seconds), then stop; returns the blocks left unwritten."""
+        self.closed = True
         self._loader.shutdown(wait=True)
-        self.flush()
+        left = self.flush(timeout)
         self._queue.put(None)
-        self._worker.join(timeout=10)
+        self._worker.join(timeout=10 if left == 0 else 0.1)
         for tier in self.tiers:
             try:
                 tier.close()
             except Exception as e:  # noqa: BLE001 - closing a broken connection must not fail shutdown
                 log.debug("closing KV tier %s: %s", tier.name, e)
+        return left
 
     def _run(self) -> None:
         while True:
-            items = self._queue.get()
+            job = self._queue.get()
+            items = None if job is None else job[0]
             try:
-                if items is None:
+                if job is None:
                     return
                 with self._lock:
                     items = [(k, v) for k, v in items if self.pending.get(k) is v]  # not discarded meanwhile
-                self._put_down(0, items)
+                for t in job[1]:
+                    self._put_down(t, items, job[2])
             finally:
                 if items is not None:
                     with self._lock:
@@ -152,11 +183,12 @@ class TierChain:
                                 del self.pending[k]
                 self._queue.task_done()
 
-    def _put_down(self, t: int, items: list[tuple[BlockKey, bytes]]) -> None:
-        """Write items to tier t; what it pushes out goes on down. A pushed block stays in `pending` until the next
-        tier has it, so lookups never miss a block in transit (a slow disk write, an fsync)."""
+    def _put_down(self, t: int | None, items: list[tuple[BlockKey, bytes]], push: bool) -> None:
+        """Write items to tier t; with `push`, what it pushes out goes on down the write-back chain. A pushed block
+        stays in `pending` until the next tier has it, so lookups never miss a block in transit (a slow disk
+        write, an fsync)."""
         moving: list[tuple[BlockKey, bytes]] = []
-        while t < len(self.tiers) and items:
+        while t is not None and items:
             start = time.perf_counter()
             pushed = self._call(t, self.tiers[t].put, items, default=None, load=False)
             seconds = time.perf_counter() - start
@@ -167,12 +199,16 @@ class TierChain:
             kept = [(k, v) for k, v in items if k not in pushed_keys]
             self.stats[t].stored(len(kept), sum(len(v) for _, v in kept), seconds)
             self.stats[t].evicted_blocks += len(pushed) - (len(items) - len(kept))
-            moving = [(k, v) for k, v in pushed if t + 1 < len(self.tiers)]
+            below = self._next_back(t) if push else None
+            moving = [(k, v) for k, v in pushed if below is not None]
             with self._lock:
                 for k, v in moving:
                     self.pending.setdefault(k, v)
-            items, t = pushed, t + 1
+            items, t = pushed, below
         self._forget_pending(moving)
+
+    def _next_back(self, t: int) -> int | None:
+        return next((b for b in self.back_tiers if b > t), None)
 
     def _forget_pending(self, items: list[tuple[BlockKey, bytes]]) -> None:
         with self._lock:

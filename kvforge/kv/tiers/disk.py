@@ -26,6 +26,7 @@ _tmp_ids = itertools.count()
 
 class DiskTier(Tier):
     name = "disk"
+    shared = True
 
     def __init__(self, directory: str, capacity_bytes: int, description: str, cold_reads: bool = False,
                  fsync: bool = True):
@@ -51,13 +52,25 @@ class DiskTier(Tier):
         return os.path.join(self.directory, name + SUFFIX)
 
     def contains(self, keys):
-        """A hit counts as a use (the file moves to the recent end of the index)."""
+        """A hit counts as a use (the file moves to the recent end of the index). A file another process wrote
+        since this one indexed the directory is a hit too, and joins the index."""
         with self._lock:
             out = [k.name in self._index for k in keys]
             for k, hit in zip(keys, out):
                 if hit:
                     self._index.move_to_end(k.name)
-            return out
+        return [hit or self._adopt(k.name) for k, hit in zip(keys, out)]
+
+    def _adopt(self, name: str) -> bool:
+        try:
+            size = os.stat(self._path(name)).st_size
+        except OSError:
+            return False
+        with self._lock:
+            if name not in self._index:
+                self._index[name] = size
+                self._used += size
+        return True
 
     def get(self, keys):
         return [self._get_one(k) for k in keys]

@@ -1,8 +1,10 @@
 """TierHooks: the KVCacheManager's side of the tiers (a mixin, so manager.py stays one concept).
 
 Reclaim -> store (write-back): blocks the prefix tree gives back are exported (on the engine thread, before they
-can be reused) and queued for the tier chain's store worker. With `write_through` (as in SGLang HiCache) a block is
-stored when it enters the prefix tree instead, so reclaiming it later only frees it. Admission -> load: after the pool's longest match,
+can be reused) and queued for the tier chain's store worker. Write-through tiers (as in SGLang HiCache; disk and Redis
+by default, so other processes reuse a block at once) get a block when it enters the prefix tree instead; with no
+write-back tier, reclaiming only frees it. Blocks move as `block_io` exports them: the pool's, or the pool's and a
+draft model's (kvforge.kv.pool_pair). Admission -> load: after the pool's longest match,
 the match continues block by block through the tiers; hit blocks get pool blocks at once, their bytes are
 fetched by the chain's load worker, and the request waits (the scheduler's `loading` list) until
 `finish_load` imports them and puts them in the prefix tree. It never runs on half-loaded K/V.
@@ -25,24 +27,25 @@ class TierHooks:
     tiers = None  # kvforge.kv.tiers.chain.TierChain, set by attach_tiers
     keys = None  # kvforge.kv.tiers.keys.KeySpace
     tier_hit_tokens = 0  # prompt tokens loaded from tiers (also counted in prefix_hit_tokens)
-    write_through = False
+    tier_close = None  # what close wrote and left (kvforge.kv.tiers.persist)
+    block_io = None  # exports and imports whole blocks: the pool, or kvforge.kv.pool_pair.PoolPair
 
-    def attach_tiers(self, tiers, keys, write_through: bool = False) -> None:
-        self.tiers, self.keys, self.write_through = tiers, keys, write_through
-        if self.prefix_tree is not None and not write_through:
+    def attach_tiers(self, tiers, keys, block_io=None) -> None:
+        self.tiers, self.keys, self.block_io = tiers, keys, block_io or self.pool
+        if self.prefix_tree is not None and tiers.back_tiers:
             self.prefix_tree.on_reclaim = self._store_reclaimed
 
     def _write_through(self, tokens: list[int], salt: str | None, block_ids: list[int], cached_tokens: int) -> None:
-        """Store the blocks that just entered the prefix tree (those after its `cached_tokens`), with write-through."""
+        """Store the blocks that just entered the prefix tree (those after its `cached_tokens`) in write-through tiers."""
         first = cached_tokens // self.block_size
-        if self.write_through and self.tiers is not None and first < len(block_ids):
+        if self.tiers is not None and self.tiers.through_tiers and first < len(block_ids):
             keys = self.keys.chain(tokens, salt)[first:len(block_ids)]
-            self.tiers.store(list(zip(keys, self.pool.export_blocks(block_ids[first:]))))
+            self.tiers.store_through(list(zip(keys, self.block_io.export_blocks(block_ids[first:]))))
 
     def _store_reclaimed(self, node) -> None:
         salt, tokens = self.prefix_tree.path(node)
         keys = self.keys.chain(tokens, salt)[-len(node.block_ids):]
-        self.tiers.store(list(zip(keys, self.pool.export_blocks(node.block_ids))))
+        self.tiers.store(list(zip(keys, self.block_io.export_blocks(node.block_ids))))
 
     # -- loads -----------------------------------------------------------------------------------
 
@@ -89,7 +92,7 @@ class TierHooks:
         if not good:
             return True
         ids = load.block_ids[:good]
-        self.pool.import_blocks(ids, payloads[:good])
+        self.block_io.import_blocks(ids, payloads[:good])
         state.block_table.extend(ids)
         state.num_matched = load.matched + good * self.block_size
         self.tier_hit_tokens += good * self.block_size
@@ -110,4 +113,4 @@ class TierHooks:
     def tier_stats(self) -> dict:
         if self.tiers is None:
             return {}
-        return {**self.tiers.stats_dict(), "tier_hit_tokens": self.tier_hit_tokens}
+        return {**self.tiers.stats_dict(), "tier_hit_tokens": self.tier_hit_tokens, **(self.tier_close or {})}

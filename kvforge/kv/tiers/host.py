@@ -67,6 +67,11 @@ class HostTier(Tier):
                 v = self._entries.pop(k, None)
                 self._used -= len(v) if v is not None else 0
 
+    def items(self) -> list[tuple[BlockKey, bytes]]:
+        """What the tier holds, most recently used first."""
+        with self._lock:
+            return list(reversed(self._entries.items()))
+
     def used_bytes(self):
         return self._used
 

@@ -35,6 +35,7 @@ def redis_key(key: BlockKey) -> str:
 
 class RedisTier(Tier):
     name = "redis"
+    shared = True
 
     def __init__(self, url: str, description: str, timeout_s: float = TIMEOUT_S):
         try:

@@ -55,7 +55,7 @@ class SwapHooks:
         table = state.block_table[:blocks_for_tokens(self.cache_len(req), self.block_size)]
         tag = uuid.uuid4().bytes
         keys = [BlockKey(0, bytes(a ^ b for a, b in zip(tag, i.to_bytes(16, "little")))) for i in range(len(table))]
-        self.tiers.store(list(zip(keys, self.pool.export_blocks(table))))
+        self.tiers.store(list(zip(keys, self.block_io.export_blocks(table))))
         entry = SwappedKV(keys, req.num_computed_tokens, state.num_evicted, state.policy_state)
         self.free(req, cache=False)
         self.swapped[req.request_id] = entry
@@ -80,7 +80,7 @@ class SwapHooks:
             state.num_matched = state.num_evicted = 0
             state.policy_state = None
             return
-        self.pool.import_blocks(load.block_ids, payloads)
+        self.block_io.import_blocks(load.block_ids, payloads)
         state.block_table.extend(load.block_ids)
         self.swapped_in_blocks += len(load.block_ids)
 

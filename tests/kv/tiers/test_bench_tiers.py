@@ -16,3 +16,14 @@ def test_bench_tiers_reports_every_key(tiny_loaded, redis_url):
     assert r["pressure"]["same_outputs"] and r["pressure"]["swap"]["tokens_recomputed"] == 0
     assert r["pressure"]["recompute"]["tokens_recomputed"] > 0 and r["swap_vs_recompute_throughput"] > 0
     assert r["cross_replica_hit_rate"] == 1.0 and r["cross_replica_ttft_ratio"] > 0
+
+
+def test_host_write_modes_compares_both_arms(tiny_loaded):
+    """The reason the host tier writes back by default: a write-through copy of what the pool holds takes its room."""
+    from kvforge.bench.tier_write_modes import host_write_modes
+
+    r = host_write_modes(tiny_loaded, docs=6, doc_tokens=64, kv_dtype="int8", pool_docs=2, host_docs=2, seed=0,
+                         show=False)
+    back, through = r["write-back"], r["write-through"]
+    assert back["second_ask_hit_rate"] > through["second_ask_hit_rate"]
+    assert back["stored_blocks"] > 0 and through["stored_blocks"] > 0 and r["write_through_vs_back_time"] > 0

@@ -92,4 +92,6 @@ def test_cli_flags_reach_the_engine_config():
     kw = engine_kwargs(args)
     assert kw["kv_tier_write_through"] is True and kw["kv_tier_fsync"] is False
     kw = engine_kwargs(build_parser().parse_args(["generate", "hi"]))
-    assert kw["kv_tier_write_through"] is False and kw["kv_tier_fsync"] is True
+    assert kw["kv_tier_write_through"] is None and kw["kv_tier_fsync"] is True  # by tier: shared ones write through
+    kw = engine_kwargs(build_parser().parse_args(["generate", "hi", "--kv-tier-write-back"]))
+    assert kw["kv_tier_write_through"] is False
