@@ -1,0 +1,61 @@
+"""Over HTTP, one client's degenerate parameters get that client a 400 (or greedy output), never another client's
+failure: a stream running beside them still gets its full normal response."""
+import json
+
+import httpx
+import pytest
+from conftest import ServerThread
+
+PROMPT, OTHER = "The cat sat on the mat.", "Once upon a time"
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def url(char_dir):
+    from kvforge.config import EngineConfig
+    from kvforge.engine.engine import LLMEngine
+    from kvforge.models.loader import load_model
+
+    engine = LLMEngine(EngineConfig(kv_cache_memory=8 << 20, max_model_len=512), load_model(char_dir))
+    with ServerThread(engine) as s:
+        yield s.url
+
+
+def complete(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, **body}, timeout=60)
+
+
+def streamed_text(lines) -> str:
+    text = ""
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"] or ""
+    return text
+
+
+BAD = [
+    ({"repetition_penalty": 1e-39}, "repetition_penalty", "[0.01, 100.0]"),
+    ({"repetition_penalty": 1e39}, "repetition_penalty", "[0.01, 100.0]"),
+    ({"seed": 2**64, "temperature": 1.0}, "seed", "18446744073709551615"),
+    ({"seed": -(2**63) - 1, "temperature": 1.0}, "seed", "-9223372036854775808"),
+    ({"seed": 2**64 - 1, "n": 2, "temperature": 1.0}, "seed", "at most 2**64 - n"),
+]
+
+
+def test_degenerate_parameters_beside_a_running_stream(url):
+    want = complete(url, prompt=OTHER, max_tokens=300, **GREEDY).json()["choices"][0]["text"]
+    greedy = complete(url, **GREEDY).json()["choices"][0]["text"]
+    body = {"prompt": OTHER, "max_tokens": 300, "stream": True, **GREEDY}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as other:
+        lines = other.iter_lines()
+        first = next(lines)  # the other stream is running: what follows shares its steps
+        tiny = complete(url, temperature=1e-39, ignore_eos=True)
+        assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == greedy  # below 1e-5: greedy
+        for extra, param, words in BAD:
+            r = complete(url, **extra)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and words in err["message"], err
+        assert streamed_text([first, *lines]) == want
