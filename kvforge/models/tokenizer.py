@@ -206,7 +206,9 @@ class Tokenizer:
         return self._tk.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of text. Through encode_batch, which releases the GIL (encode holds it), so a long prompt
+        encoded on another thread does not stall the caller's other threads (the server's event loop)."""
+        ids = self._tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos_token:
             return [self.bos_token_id, *ids]
         return ids

@@ -1,6 +1,8 @@
-"""Over HTTP, one client's degenerate parameters get that client a 400 (or greedy output), never another client's
-failure: a stream running beside them still gets its full normal response."""
+"""Over HTTP, one client's degenerate parameters get that client a 400 (or greedy output), and one client's slow
+tokenization blocks nobody: a stream running beside them still gets its full normal response."""
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -11,14 +13,19 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def url(char_dir):
+def server(char_dir):
     from kvforge.config import EngineConfig
     from kvforge.engine.engine import LLMEngine
     from kvforge.models.loader import load_model
 
     engine = LLMEngine(EngineConfig(kv_cache_memory=8 << 20, max_model_len=512), load_model(char_dir))
     with ServerThread(engine) as s:
-        yield s.url
+        yield s
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server.url
 
 
 def complete(url: str, **body) -> httpx.Response:
@@ -59,3 +66,31 @@ def test_degenerate_parameters_beside_a_running_stream(url):
             err = r.json()["error"]
             assert err["param"] == param and words in err["message"], err
         assert streamed_text([first, *lines]) == want
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"max_tokens": 4}), ("/tokenize", {})])
+def test_a_slow_tokenization_does_not_stall_another_stream(server, monkeypatch, path, body):
+    """The slow prompt's encode blocks until the other stream has finished: that can only happen when tokenizing
+    runs off the event loop (before, the other request was never read and the client timed out)."""
+    url, tokenizer = server.url, server.engine.tokenizer
+    want = complete(url, prompt=OTHER, max_tokens=40, **GREEDY).json()["choices"][0]["text"]
+    encode, entered, release = tokenizer.encode, threading.Event(), threading.Event()
+    slow_prompt = "a prompt that takes the tokenizer a long time"
+
+    def slow_encode(text, *args, **kwargs):
+        if text == slow_prompt:
+            entered.set()
+            release.wait(60)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(httpx.post, url + path, json={"prompt": slow_prompt, **body}, timeout=60)
+        try:
+            assert entered.wait(60)
+            stream = {"prompt": OTHER, "max_tokens": 40, "stream": True, **GREEDY}
+            with httpx.stream("POST", url + "/v1/completions", json=stream, timeout=20) as other:
+                assert streamed_text(other.iter_lines()) == want
+        finally:
+            release.set()
+        assert slow.result().status_code == 200, slow.result().text
