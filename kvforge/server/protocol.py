@@ -97,6 +97,8 @@ def parse_body(raw: bytes, model: type[T]) -> T:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise bad_request("request body nests JSON arrays or objects too deeply; send a flat request object") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
     try:
