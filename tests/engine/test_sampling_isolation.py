@@ -4,7 +4,7 @@ import torch
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
-from kvforge.errors import InvalidRequestError
+from kvforge.errors import ConfigError, InvalidRequestError
 from kvforge.sampling_params import SamplingParams
 
 A, B = [3, 4, 5, 6, 7], [9, 10, 11]
@@ -61,6 +61,12 @@ def test_non_finite_numbers_are_refused(field, value):
 def test_seed_out_of_the_generators_range_is_refused(seed):
     with pytest.raises(InvalidRequestError, match=r"seed must be None or an integer in \[-2\*\*63, 2\*\*64 - 1\]"):
         SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, True])
+def test_an_engine_seed_out_of_range_is_a_config_error(seed):
+    with pytest.raises(ConfigError, match=r"seed must be None or an integer in \[-2\*\*63, 2\*\*64 - 1\]"):
+        EngineConfig(seed=seed)
 
 
 def test_n_seeds_must_fit_the_range_too():
