@@ -111,3 +111,16 @@ def test_unusable_logits_while_verifying_drafts_fail_that_request_only(tiny_load
     finals = run(engine, {"r": (D, params), "b": (B, GREEDY)})
     assert "r" in verified and finals["r"].finish_reason == "error" and "not finite" in finals["r"].error
     assert finals["b"].finish_reason == "length" and finals["b"].token_ids == alone["b"]
+
+
+def test_unusable_rows_are_nan_or_inf_or_all_masked():
+    from kvforge.engine.sampler import unusable_rows
+
+    logits = torch.randn(6, 10)
+    logits[0, 5] = float("-inf")  # masked out: still a distribution
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3] = float("-inf")
+    logits[4] = 3e38  # huge but finite (their sum is not)
+    assert unusable_rows(logits) == [1, 2, 3]
+    assert unusable_rows(logits[[0, 4, 5]]) == []
