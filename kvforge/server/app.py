@@ -123,12 +123,18 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     def salt(key: str | None, user: str | None) -> str | None:
         return ":".join(s for s in (key, user) if s) or None
 
+    def encode(text: str, param: str, **options) -> list[int]:
+        try:
+            return tokenizer.encode(text, **options)
+        except InvalidRequestError as e:  # e.g. a lone surrogate
+            raise bad_request(f"{param}: {e}", param) from None
+
     def text_ids(text: str, param: str) -> list[int]:
         if tokenizer is None:
             raise bad_request("this model has no tokenizer; send token ids instead of text", param)
         if not text:
             raise bad_request(f"{param} is empty; give at least one character or token id", param)
-        return tokenizer.encode(text)
+        return encode(text, param)
 
     def chat_ids(messages: list[Message]) -> list[int]:
         if not messages:
@@ -139,7 +145,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
         except InvalidRequestError as e:
             raise bad_request(str(e), "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return encode(text, "messages", add_special_tokens=False)
 
     async def completion_prompts(req: CompletionRequest) -> list[list[int]]:
         prompt = req.prompt
@@ -224,7 +230,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         elif tokenizer is None:
             raise bad_request("this model has no tokenizer", "prompt")
         else:
-            ids = await off_loop(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await off_loop(encode, req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")

@@ -68,6 +68,16 @@ def test_degenerate_parameters_beside_a_running_stream(url):
         assert streamed_text([first, *lines]) == want
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_lone_surrogate_in_the_prompt_is_a_400(url, path):
+    """JSON may escape half of a UTF-16 pair ("\\ud800"); that is no Unicode text, and the tokenizer cannot take it."""
+    raw = json.dumps({"prompt": "ab\ud800cd", "max_tokens": 2}).encode()
+    r = httpx.post(url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "unpaired UTF-16 surrogate" in err["message"], err
+
+
 @pytest.mark.parametrize("path, body", [("/v1/completions", {"max_tokens": 4}), ("/tokenize", {})])
 def test_a_slow_tokenization_does_not_stall_another_stream(server, monkeypatch, path, body):
     """The slow prompt's encode blocks until the other stream has finished: that can only happen when tokenizing
