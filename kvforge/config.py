@@ -54,7 +54,9 @@ class EngineConfig:
              f"max_model_len must be a positive integer or None, got {self.max_model_len!r}"),
             (self.kv_cache_memory is None or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0),
              f"kv_cache_memory must be a positive number of bytes or None, got {self.kv_cache_memory!r}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}"),
+            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and -(2**63) <= self.seed < 2**64),
+             f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}"),
             (0 < self.kv_cache_memory_fraction <= 0.95, f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}"),
             (self.weights in WEIGHT_KINDS, f"weights must be one of {WEIGHT_KINDS}, got {self.weights!r}"),
         ]

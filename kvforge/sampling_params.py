@@ -7,17 +7,21 @@ from dataclasses import dataclass, field
 from kvforge.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing by less overflows
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it the penalty alone overflows or erases the logits
 
 
 @dataclass
 class SamplingParams:
-    """temperature=0 is greedy. top_k <= 0 and top_p == 1 disable those filters.
+    """temperature=0 (or below SAMPLING_EPS) is greedy. top_k <= 0 and top_p == 1 disable those filters.
 
     The defaults are the OpenAI API's (and vLLM's), shared by the CLI and the server: temperature 1.0,
     top_p 1.0, top_k off, no penalties. n samples per prompt take seeds seed, seed+1, ... when seeded.
     Penalties follow vLLM: presence_penalty and frequency_penalty (-2..2) subtract from the logits of
-    tokens already generated (once, or once per occurrence); repetition_penalty (> 0, 1 = off) divides
-    positive and multiplies negative logits of every token in the prompt or the output (CTRL's rule).
+    tokens already generated (once, or once per occurrence); repetition_penalty (1 = off) divides
+    positive and multiplies negative logits of every token in the prompt or the output (CTRL's rule), within
+    REPETITION_PENALTY_RANGE. seed: an integer in SEED_RANGE.
     """
 
     n: int = 1
@@ -39,19 +43,23 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        low, high = REPETITION_PENALTY_RANGE
         checks = [
             (isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (_number(self.temperature) and self.temperature >= 0, f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}"),
+            (_number(self.temperature) and self.temperature >= 0, f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"),
             (_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0), f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}"),
+            (self.seed is None or (_integer(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1] - _extra(self.n)),
+             (f"seed must be None or an integer in [-2**63, 2**64 - 1] (n samples take seeds seed..seed+n-1), "
+              f"got {self.seed!r} with n={self.n!r}")),
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS), f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}"),
             (_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
             (_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
-            (_number(self.repetition_penalty) and self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}"),
+            (_number(self.repetition_penalty) and low <= self.repetition_penalty <= high,
+             f"repetition_penalty must be in [{low}, {high}] (1 = off), got {self.repetition_penalty!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -59,7 +67,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:
@@ -67,4 +75,19 @@ class SamplingParams:
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+    """A finite int or float (an int too large for a float is not: torch could not use it)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+def _extra(n) -> int:
+    """Seeds past `seed` that n samples take (0 when n is invalid: n's own check reports it)."""
+    return n - 1 if _integer(n) and n >= 1 else 0
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -235,15 +235,18 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - the batch's requests fail, the engine keeps serving
             return self._fail(batch.seqs, e)
         now = time.monotonic()
-        emitting = [seq for seq in batch.seqs if seq.request_id in result.tokens]
-        rejected, failed = {}, {}
+        emitting = [seq for seq in batch.seqs if seq.request_id in result.tokens or seq.request_id in result.errors]
+        failed = dict(result.errors)  # its token could not be sampled: this request fails, not the step
+        rejected = {seq.request_id: len(seq.draft_token_ids) for seq in emitting if seq.request_id in failed}
         for seq in emitting:
+            if seq.request_id in failed:
+                continue
             try:
                 rejected[seq.request_id] = self._append(seq, result, now)
             except Exception as e:  # noqa: BLE001 - e.g. the tokenizer failed on this request only
                 failed[seq.request_id] = e
                 rejected[seq.request_id] = len(seq.draft_token_ids)  # commit none of its drafts
-        self.commit(batch, result.stats, rejected)
+        self.commit(batch, result.stats, rejected, uncached=set(result.errors))
         outputs = []
         for seq in emitting:
             error = failed.get(seq.request_id)
@@ -296,9 +299,9 @@ class LLMEngine:
         return len(seq.draft_token_ids) - (kept - 1)
 
     def commit(self, batch: ScheduledBatch, stats: AttentionStats | None = None,
-               rejected: dict[str, int] | None = None) -> None:
+               rejected: dict[str, int] | None = None, uncached: set[str] = frozenset()) -> None:
         """A forward pass succeeded: its tokens count as computed (rejected drafts rolled back), full blocks
-        become shareable, the KV policy runs."""
+        become shareable (except those of `uncached` requests, whose logits were unusable), the KV policy runs."""
         rejected = {rid: r for rid, r in (rejected or {}).items() if r}
         before = [seq.num_computed_tokens for seq in batch.seqs]
         self.scheduler.update_from_output(batch, rejected)
@@ -308,7 +311,7 @@ class LLMEngine:
                 self.runner.speculator.rollback(seq, self.kv)
         bs = self.kv.block_size
         for seq, prev in zip(batch.seqs, before):
-            if seq.num_computed_tokens // bs > prev // bs:
+            if seq.num_computed_tokens // bs > prev // bs and seq.request_id not in uncached:
                 self.kv.cache_full_blocks(seq)
         if self.runner.evictor:
             self.runner.evictor.after_step(batch.seqs, stats, rejected)

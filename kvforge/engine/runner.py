@@ -17,6 +17,7 @@ class StepResult:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # request id -> tokens it emits (more with speculation)
     logprobs: dict[str, list[dict]] = field(default_factory=dict)  # request id -> top logprobs of each of them
     stats: AttentionStats | None = None  # attention a KV policy asked for
+    errors: dict[str, Exception] = field(default_factory=dict)  # request id -> why its token could not be sampled
 
 
 class ModelRunner:
@@ -100,12 +101,18 @@ class ModelRunner:
         plain = [i for i, seq in enumerate(sampled_seqs) if not seq.draft_token_ids]
         plain_rows = [rows[i][0] for i in plain]
         plain_logits = logits if len(plain_rows) == len(logits) else logits[plain_rows]  # no drafts: every row, no copy
-        plain_tokens = sample(plain_logits, [sampled_seqs[i] for i in plain]) if plain else []
-        emitted = dict(zip(plain, ([t] for t in plain_tokens)))
+        plain_tokens, plain_failed = sample(plain_logits, [sampled_seqs[i] for i in plain]) if plain else ([], {})
+        emitted = {i: [t] for r, (i, t) in enumerate(zip(plain, plain_tokens)) if r not in plain_failed}
+        result.errors = {sampled_seqs[plain[r]].request_id: e for r, e in plain_failed.items()}
         for i, seq in enumerate(sampled_seqs):
             if seq.draft_token_ids:
-                emitted[i] = self.speculator.verify(seq, logits[rows[i].start: rows[i].stop])
+                try:
+                    emitted[i] = self.speculator.verify(seq, logits[rows[i].start: rows[i].stop])
+                except Exception as e:  # noqa: BLE001 - e.g. NaN logits: this request fails, not the step
+                    result.errors[seq.request_id] = e
         for i, seq in enumerate(sampled_seqs):
+            if i not in emitted:
+                continue
             toks = emitted[i]
             self.sampled_tokens += len(toks)
             result.tokens[seq.request_id] = toks

@@ -1,4 +1,7 @@
-"""Sampler: penalties, greedy, temperature, top-k, top-p, with per-request seeded generators."""
+"""Sampler: penalties, greedy, temperature, top-k, top-p, with per-request seeded generators.
+
+A row that cannot be sampled (NaN or +inf logits, from whatever cause) fails its own request only.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,14 +9,44 @@ import torch
 from kvforge.engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One next token per row of logits [N, vocab] (fp32)."""
+class SamplingError(RuntimeError):
+    """One request's next-token distribution could not be sampled; the other requests of the step are unaffected."""
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, SamplingError]]:
+    """One next token per row of logits [N, vocab] (fp32), and the rows that failed (their token is -1)."""
     logits = apply_penalties(logits, seqs)
     tokens = logits.argmax(dim=-1).tolist()
+    broken = set(unusable_rows(logits))
+    failed: dict[int, SamplingError] = {}
     for row, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            tokens[row] = _sample_row(logits[row], seq)
-    return tokens
+        try:
+            if row in broken:
+                raise not_finite()
+            if not seq.params.greedy:
+                tokens[row] = _sample_row(logits[row], seq)
+        except Exception as e:  # noqa: BLE001 - this row's request fails, the others keep their tokens
+            failed[row] = e if isinstance(e, SamplingError) else SamplingError(f"sampling failed: {e}")
+            tokens[row] = -1
+    return tokens, failed
+
+
+def unusable_rows(logits: torch.Tensor) -> list[int]:
+    """Rows of logits [N, vocab] with a NaN or +inf, or nothing above -inf: no distribution to sample from."""
+    if bool(logits.sum(-1).isfinite().all()):  # one pass: the usual case, every logit finite
+        return []
+    bad = logits.isnan().any(-1) | logits.isposinf().any(-1) | logits.isneginf().all(-1)
+    return bad.nonzero().flatten().tolist() if bool(bad.any()) else []
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """SamplingError unless every row of logits [N, vocab] can be sampled from."""
+    if unusable_rows(logits):
+        raise not_finite()
+
+
+def not_finite() -> SamplingError:
+    return SamplingError("the model's logits for this request are not finite (NaN or +inf); no token can be sampled")
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -206,7 +206,12 @@ class Tokenizer:
         return self._tk.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of text. Through encode_batch, which releases the GIL (encode holds it), so a long prompt
+        encoded on another thread does not stall the caller's other threads (the server's event loop).
+        InvalidRequestError for text that is not valid Unicode (a lone UTF-16 surrogate, which JSON can carry)."""
+        if not text.isascii():
+            _check_unicode(text)
+        ids = self._tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos_token:
             return [self.bos_token_id, *ids]
         return ids
@@ -230,6 +235,14 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise InvalidRequestError(f"the chat template rejected these messages: {e}") from e
+
+
+def _check_unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"text has an unpaired UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
+                                  "which is not a Unicode character; send valid Unicode text") from None
 
 
 class IncrementalDetokenizer:

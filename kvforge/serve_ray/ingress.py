@@ -1,8 +1,9 @@
 """The HTTP entry of the deployment: forwards every request to a replica chosen by the router.
 
-The body is read once to find the routing key (the prompt), then method, path, headers and body go to the
-replica's app unchanged, and its response streams back. A replica that dies mid-request ends the request with
-an error: a 503 before the response started, an error event in the stream after.
+The body is read once, within the server's body limit (a 413 past it), to find the routing key (the prompt), then
+method, path, headers and body go to the replica's app unchanged, and its response streams back. A request the app
+refuses (4xx/5xx) is forgotten by the routers: its chunks do not count as held by that replica. A replica that dies
+mid-request ends the request with an error: a 503 before the response started, an error event in the stream after.
 """
 # no `from __future__ import annotations`: FastAPI must see real classes after serve.ingress rewrites the methods
 
@@ -13,8 +14,10 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
 from kvforge.serve_ray import metrics
-from kvforge.serve_ray.prefix_keys import routing_key
+from kvforge.serve_ray.prefix_keys import chunk_hashes, routing_key
+from kvforge.serve_ray.replica import REPLICA_HEADER
 from kvforge.server.errors import APIError
+from kvforge.server.limits import RequestLimits
 
 app = FastAPI(title="kvforge on Ray Serve")
 
@@ -43,8 +46,9 @@ def replica_failed(e: Exception) -> APIError:
 
 @serve.ingress(app)  # at import, so the replica that imports this module gets the same routes
 class KVForgeIngress:
-    def __init__(self, replicas):
+    def __init__(self, replicas, max_body_bytes: int = RequestLimits.max_body_bytes):
         self.replicas = replicas  # a DeploymentHandle of KVForgeReplica
+        self.limits = RequestLimits(max_body_bytes=max_body_bytes)  # the replicas' own body limit
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
@@ -57,15 +61,23 @@ class KVForgeIngress:
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
     async def forward(self, request: Request) -> Response:
-        body = await request.body()
+        try:
+            body = await self.limits.read_body(request)
+        except APIError as e:
+            return e.response()
         path = request.url.path
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
         headers.append(("content-length", str(len(body))))
-        stream = self.replicas.options(stream=True).handle.remote(
-            request.method, path, request.url.query, headers, body, routing_key(path, body))
+        key = routing_key(path, body)
+        stream = self.replicas.options(stream=True).handle.remote(request.method, path, request.url.query, headers,
+                                                                  body, key)
         try:
             status, head = await stream.__anext__()
         except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
             stream.cancel()
             return replica_failed(e).response()
+        if status >= 400 and key:
+            from kvforge.serve_ray import registry  # the process's one copy
+
+            registry.forget(dict(head).get(REPLICA_HEADER, ""), chunk_hashes(key))
         return StreamingResponse(_rest(stream, _is_sse(head)), status_code=status, headers=dict(head))

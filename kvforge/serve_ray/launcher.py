@@ -62,7 +62,7 @@ def build_application(d: RayDeployment):
                                health_check_timeout_s=30)
     ingress = serve.deployment(KVForgeIngress, name="KVForgeIngress",
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
-    return ingress.bind(replica.bind(d.engine_kwargs, d.server_config, threads))
+    return ingress.bind(replica.bind(d.engine_kwargs, d.server_config, threads), d.server_config.limits.max_body_bytes)
 
 
 def start(d: RayDeployment, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,

@@ -18,3 +18,10 @@ def register(router) -> None:
 
 def count(policy: str, decision: str) -> None:
     ROUTER_CHOICES[policy, decision] += 1
+
+
+def forget(replica: str, hashes: list[str]) -> None:
+    """The app on `replica` (its unique id) refused a request: no router counts its chunks as held there."""
+    for router in list(ROUTERS):
+        if hasattr(router, "forget"):
+            router.forget(replica, hashes)

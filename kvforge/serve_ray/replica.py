@@ -2,7 +2,8 @@
 
 The ingress forwards each HTTP request to `handle`; authorization, per-key cache salts, validation, streaming
 and errors are the app's own, so every replica behaves as a single `kvforge serve` does. The replica reports
-its KV usage, load, prefix hit rate, Prometheus text and the prompt chunks it served (record_routing_stats), and
+its KV usage, load, prefix hit rate, Prometheus text and the prompt chunks of the requests its app accepted
+(record_routing_stats; a 400 or 401 records nothing), and
 fails Ray's health check once its engine loop has died, so Ray replaces it.
 """
 from __future__ import annotations
@@ -37,11 +38,11 @@ class KVForgeReplica:
 
     async def handle(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
                      key: RoutingKey | None) -> AsyncIterator[Head | bytes]:
-        if key:
-            self.served.add(chunk_hashes(key))
         async for item in call_asgi(self.app, method, path, query, headers, body):
             if isinstance(item, tuple):
                 status, head = item
+                if key and status < 400:  # the app accepted it: its prompt is (being) cached here
+                    self.served.add(chunk_hashes(key))
                 item = status, [*head, (REPLICA_HEADER, self.replica_id)]
             yield item
 

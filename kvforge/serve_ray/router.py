@@ -105,6 +105,12 @@ class PrefixAffinityRouter(_Reporting, RequestRouter):
         if key:
             self._sent.setdefault(replica_id, ChunkSet(self.chunks_per_replica)).add(chunk_hashes(key))
 
+    def forget(self, replica: str, hashes: list[str]) -> None:
+        """The request sent these chunks to `replica` (unique id) and its app refused it: they are not held there."""
+        for replica_id, sent in self._sent.items():
+            if getattr(replica_id, "unique_id", replica_id) == replica:
+                sent.discard(hashes)
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self._in_flight[replica_id] > 0:
             self._in_flight[replica_id] -= 1

@@ -1,12 +1,15 @@
 """The OpenAI-compatible FastAPI app around one LLMEngine."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -35,6 +38,8 @@ from kvforge.server.protocol import (
     parse_body,
 )
 from kvforge.server.responses import Shaper, usage
+
+TOKENIZER_THREADS = 4  # prompts tokenized at once, off the event loop
 
 
 @dataclass
@@ -75,12 +80,18 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     tokenizer = engine.tokenizer
     keys = KeyChecker(config.api_keys)
     limits = config.limits
+    tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvforge-tokenize")
+
+    async def off_loop(fn, *args, **kwargs):
+        """fn on a tokenizer thread: a long prompt never stalls the event loop, so other requests keep streaming."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, partial(fn, *args, **kwargs))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loop.start()
         yield
         loop.stop()
+        tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvforge", lifespan=lifespan)
     app.add_middleware(InternalErrors)
@@ -112,12 +123,18 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     def salt(key: str | None, user: str | None) -> str | None:
         return ":".join(s for s in (key, user) if s) or None
 
+    def encode(text: str, param: str, **options) -> list[int]:
+        try:
+            return tokenizer.encode(text, **options)
+        except InvalidRequestError as e:  # e.g. a lone surrogate
+            raise bad_request(f"{param}: {e}", param) from None
+
     def text_ids(text: str, param: str) -> list[int]:
         if tokenizer is None:
             raise bad_request("this model has no tokenizer; send token ids instead of text", param)
         if not text:
             raise bad_request(f"{param} is empty; give at least one character or token id", param)
-        return tokenizer.encode(text)
+        return encode(text, param)
 
     def chat_ids(messages: list[Message]) -> list[int]:
         if not messages:
@@ -128,13 +145,15 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
         except InvalidRequestError as e:
             raise bad_request(str(e), "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return encode(text, "messages", add_special_tokens=False)
 
-    def completion_prompts(req: CompletionRequest) -> list[list[int]]:
+    async def completion_prompts(req: CompletionRequest) -> list[list[int]]:
         prompt = req.prompt
         items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
         limits.check(req, len(items))  # before the work of tokenizing
-        return [text_ids(p, "prompt") if isinstance(p, str) else p for p in items]  # the engine checks token ids
+        if not any(isinstance(p, str) for p in items):
+            return items  # the engine checks token ids
+        return await off_loop(lambda: [text_ids(p, "prompt") if isinstance(p, str) else p for p in items])
 
     async def run(request: Request, req, prompts: list[list[int]], kind: str, key: str | None) -> Response:
         prepared = serving.prepare(req, prompts, engine, salt(key, req.cache_salt), kind, name, limits.max_tokens)
@@ -154,7 +173,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         key = authorize(request)
         req = parse_body(await limits.read_body(request), CompletionRequest)
         check_model(req.model)
-        prompts = completion_prompts(req)
+        prompts = await completion_prompts(req)
         if req.echo and req.max_tokens == 0:  # scoring only: the prompt's logprobs, nothing generated
             serving.refuse_unsupported(req)
             try:
@@ -183,7 +202,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         req = parse_body(await limits.read_body(request), ChatRequest)
         check_model(req.model)
         limits.check(req, 1)
-        return await run(request, req, [chat_ids(req.messages)], "chat", key)
+        return await run(request, req, [await off_loop(chat_ids, req.messages)], "chat", key)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -207,11 +226,11 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("send exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            ids = chat_ids(req.messages)
+            ids = await off_loop(chat_ids, req.messages)
         elif tokenizer is None:
             raise bad_request("this model has no tokenizer", "prompt")
         else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await off_loop(encode, req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
@@ -225,7 +244,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             ids = engine.check_token_ids(req.tokens, "tokens")
         except InvalidRequestError as e:
             raise bad_request(str(e), "tokens") from None
-        return {"prompt": tokenizer.decode(ids)}
+        return {"prompt": await off_loop(tokenizer.decode, ids)}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -1,4 +1,5 @@
-"""RequestLimits: how much one request may ask of the server; each bound is refused with a 400 naming it."""
+"""RequestLimits: how much one request may ask of the server; each bound is refused with a 400 naming it (a body
+past max_body_bytes with a 413)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from kvforge.sampling_params import MAX_LOGPROBS
-from kvforge.server.errors import bad_request
+from kvforge.server.errors import APIError, bad_request
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class RequestLimits:
                                   f"(send 1..{self.max_tokens})", name)
 
     async def read_body(self, request: Request) -> bytes:
-        """The request body; a 400 once it passes max_body_bytes (checked while reading, not only the header)."""
+        """The request body; a 413 once it passes max_body_bytes (checked while reading, not only the header)."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large(int(declared))
@@ -53,10 +54,10 @@ class RequestLimits:
                 raise self._too_large(None)
         return bytes(body)
 
-    def _too_large(self, size: int | None) -> Exception:
+    def _too_large(self, size: int | None) -> APIError:
         got = f"{size} bytes" if size is not None else "more than that"
-        return bad_request(f"request body is {got}; this server accepts at most {self.max_body_bytes} bytes",
-                           code="request_too_large")
+        return APIError(413, f"request body is {got}; this server accepts at most {self.max_body_bytes} bytes",
+                        code="request_too_large")
 
 
 def _in_range(name: str, value: int, low: int, high: int) -> None:

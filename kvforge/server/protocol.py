@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvforge.sampling_params import SEED_RANGE
 from kvforge.server.errors import APIError, bad_request
 
 T = TypeVar("T", bound=BaseModel)
@@ -25,7 +26,7 @@ class _Sampling(_Body):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # what a torch.Generator takes
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
@@ -96,6 +97,8 @@ def parse_body(raw: bytes, model: type[T]) -> T:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise bad_request("request body nests JSON arrays or objects too deeply; send a flat request object") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
     try:

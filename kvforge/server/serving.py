@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kvforge.errors import InvalidRequestError, PromptTooLongError
 from kvforge.outputs import RequestOutput
-from kvforge.sampling_params import SamplingParams
+from kvforge.sampling_params import SEED_RANGE, SamplingParams
 from kvforge.server.echo import Echo
 from kvforge.server.engine_loop import EngineLoop, RequestGroup, Submission
 from kvforge.server.errors import APIError, bad_request, server_error
@@ -42,6 +42,9 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         default_max, want_lp = None, req.logprobs
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if req.seed is not None and req.seed + req.n - 1 > SEED_RANGE[1]:
+        raise bad_request(f"seed={req.seed} with n={req.n}: choice j samples with seed + j, so seed may be at most "
+                          f"2**64 - n = {SEED_RANGE[1] - req.n + 1}", "seed")
     limit = engine.length_limit  # the engine's own bound on prompt + output (beyond max_model_len when streaming)
     subs = []
     for ids in prompts:

@@ -99,6 +99,18 @@ def test_outputs_equal_offline_greedy(prefix_url, char_model):
     assert complete(prefix_url, prompts[0], {}).status_code == 401, "every replica checks the API key"
 
 
+def test_bad_input_through_the_ingress_is_the_apps_400_or_a_413(prefix_url):
+    """Ids past any vocabulary are routed anywhere and refused by the app (not a 503 from hashing them); a body past
+    the server's limit is refused by the ingress itself; the endpoint keeps serving."""
+    r = complete(prefix_url, [2**31] * 40, A)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    big = b'{"prompt": "' + b"x" * (4 << 20) + b'"}'
+    r = httpx.post(prefix_url + "/v1/completions", content=big, headers={**A, "content-type": "application/json"},
+                   timeout=120)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert complete(prefix_url, "still serving", A).status_code == 200
+
+
 def test_tenant_salts_isolate_across_replicas(prefix_url):
     prompt = "Tenant isolation: a prompt long enough to fill several whole sixteen-token blocks, twice over."
     first = complete(prefix_url, prompt, A, max_tokens=1)

@@ -1,9 +1,11 @@
-"""The parts of the Ray deployment that need no Ray: routing keys, chunk hashes, merged metrics, CLI and install hint."""
+"""The parts of the Ray deployment that need no Ray: routing keys, chunk hashes, merged metrics, CLI and install hint,
+the router's decisions and a replica's handle in this process."""
 from __future__ import annotations
 
 import json
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +135,83 @@ def test_prefix_router_uses_what_replicas_report():
     reported = FakeReplica("r2", {"prefix_chunks": chunk_hashes(system), "kv_usage": 0.9})
     assert _choose(router, [FakeReplica("r1"), reported], "x", system + "tail") == "r2"
     assert _choose(router, [FakeReplica("r1"), reported], "y", "unrelated " * 40) == "r1", "no match: least loaded"
+
+
+NOT_TOKEN_IDS = [[2**31] * 20, [2**64] * 20, [-1] * 20, [True] * 20, [1.5] * 20, [[2**40] * 20], [3] * 16 + ["a"]]
+ODD_BODIES = [
+    b"[" * 100_000,  # nested too deep for json
+    json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}).encode(),
+    json.dumps({"messages": [{"role": "user", "content": {"text": "x"}}, 7, None]}).encode(),
+    json.dumps({"prompt": "\ud800" * (2 * CHUNK_CHARS)}).encode(),  # lone surrogates: valid JSON, not UTF-8 text
+    json.dumps({"messages": [{"role": "user", "content": "\udfff" * (2 * CHUNK_CHARS)}]}).encode(),
+]
+
+
+@pytest.mark.parametrize("body", [json.dumps({"prompt": ids}).encode() for ids in NOT_TOKEN_IDS] + ODD_BODIES)
+def test_routing_never_raises_on_bodies_the_app_refuses(body):
+    """Such a request is routed anywhere (no key, or chunks of its text), and the app's validation answers it."""
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        key = routing_key(path, body)
+        assert key is None or isinstance(key, str)
+        chunk_hashes(key or "")
+
+
+@pytest.mark.parametrize("ids", NOT_TOKEN_IDS)
+def test_a_list_that_is_not_token_ids_has_no_chunks_and_no_route(ids):
+    assert chunk_hashes(ids) == [] and routing_key("/v1/completions", json.dumps({"prompt": ids}).encode()) is None
+    router = _router()
+    assert _choose(router, [FakeReplica("r1"), FakeReplica("r2")], "x", ids) in ("r1", "r2")
+
+
+def test_a_refused_request_is_forgotten_by_the_router():
+    router = _router()
+    system = "y" * (4 * CHUNK_CHARS)
+    home = _choose(router, [FakeReplica("r1"), FakeReplica("r2")], "x", system + "?")
+    assert router._matched(FakeReplica(home), chunk_hashes(system)) == 4
+    router.forget("not-" + home, chunk_hashes(system))
+    assert router._matched(FakeReplica(home), chunk_hashes(system)) == 4
+    router.forget(home, chunk_hashes(system + "?"))
+    assert router._matched(FakeReplica(home), chunk_hashes(system)) == 0
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    """A replica in this process (no Ray): the engine and the app of `kvforge serve` behind its handle."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "server"))  # faults.py
+    from faults import write_tiny_char_model
+
+    from kvforge.serve_ray.replica import KVForgeReplica
+    from kvforge.server import ServerConfig
+
+    model = tmp_path_factory.mktemp("tiny-char-replica")
+    write_tiny_char_model(model)
+    engine = {"model": str(model), "kv_cache_memory": 8 << 20, "max_model_len": 512}
+    replica = KVForgeReplica(engine, ServerConfig(api_keys=["key-a"]))
+    yield replica
+    replica.loop.stop()
+
+
+def _handle(replica, body: dict, headers: list[tuple[str, str]]) -> int:
+    import asyncio
+
+    raw = json.dumps(body).encode()
+    key = routing_key("/v1/completions", raw)
+
+    async def status() -> int:
+        items = [item async for item in replica.handle("POST", "/v1/completions", "", headers, raw, key)]
+        return items[0][0]
+
+    return asyncio.run(status())
+
+
+def test_replica_records_chunks_only_for_requests_its_app_accepted(replica):
+    auth = [("authorization", "Bearer key-a"), ("content-type", "application/json")]
+    prompt = "Routing state for accepted requests only: " * 4  # a few whole chunks
+    refused = [({"prompt": prompt, "max_tokens": 2}, [("content-type", "application/json")], 401),
+               ({"prompt": prompt, "max_tokens": 2, "temperature": -1}, auth, 400),
+               ({"prompt": [500] * (2 * CHUNK_TOKENS), "max_tokens": 2}, auth, 400)]  # ids past the vocabulary
+    for body, headers, want in refused:
+        assert _handle(replica, body, headers) == want
+    assert len(replica.served) == 0
+    assert _handle(replica, {"prompt": prompt, "max_tokens": 2}, auth) == 200
+    assert replica.served.newest(100) == chunk_hashes(prompt)

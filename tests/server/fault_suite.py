@@ -30,7 +30,7 @@ NUM_CLIENTS = 64
 DEADLINE_S = 60  # per client; a request still open after it counts as hung
 SHARED = "You are a terse assistant. Reply in one line. "  # 3 blocks of 16 characters (= tokens) shared
 SLOW_N, SLOW_MAX_TOKENS = 8, 440
-BAD = {  # what a bad client sends (on top of a valid request) -> the param its 400 must name
+BAD = {  # what a bad client sends (on top of a valid request) -> the param its 400 (413: the body) must name
     "n=0": ({"n": 0}, "n"), "n=99": ({"n": 99}, "n"), "logprobs=21": ({"logprobs": 21}, "logprobs"),
     "17 stops": ({"stop": [f"s{i}" for i in range(17)]}, "stop"), "max_tokens=10**6": ({"max_tokens": 10**6}, "max_tokens"),
     "token id 999": ({"prompt": [5, 999]}, "prompt"), "empty prompt": ({"prompt": []}, "prompt"),
@@ -101,7 +101,7 @@ async def run_client(client: openai.AsyncOpenAI, url: str, job: Job) -> Result:
             extra, _ = BAD[job.bad]
             async with httpx.AsyncClient(timeout=DEADLINE_S) as h:
                 r = await h.post(url + "/v1/completions", json={**args, **extra})
-            return Result(job, "bad" if r.status_code == 400 else "error", status=r.status_code, message=r.text)
+            return Result(job, "bad" if r.status_code in (400, 413) else "error", status=r.status_code, message=r.text)
         if job.kind == "plain":
             r = await client.completions.create(**args)
             return Result(job, "ok", [c.text for c in r.choices], [c.finish_reason for c in r.choices], 200)

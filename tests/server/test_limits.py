@@ -1,4 +1,5 @@
-"""Request bounds answer 400s that name the parameter and the allowed range; API keys compare in constant time."""
+"""Request bounds answer 400s that name the parameter and the allowed range (413 for the body); API keys compare in
+constant time."""
 import httpx
 import pytest
 from conftest import ServerThread
@@ -54,8 +55,15 @@ def test_body_over_the_limit_is_refused_while_reading(url, chunked):
     body = b'{"prompt": "' + b"x" * 5000 + b'"}'
     content = iter([body[:3000], body[3000:]]) if chunked else body  # chunked: no Content-Length to trust
     r = httpx.post(url + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=60)
-    assert r.status_code == 400 and "at most 4000 bytes" in r.json()["error"]["message"], r.text
+    assert r.status_code == 413 and "at most 4000 bytes" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == "request_too_large"
     assert httpx.post(url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=60).status_code == 200
+
+
+def test_json_nested_too_deeply_is_a_400(url):
+    r = httpx.post(url + "/v1/completions", content=b"[" * 3000, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and "too deeply" in r.json()["error"]["message"], r.text
 
 
 def test_api_keys_compare_every_key_on_equal_length_digests(monkeypatch):

@@ -1,6 +1,7 @@
 """SpeculativeConfig: the `speculative` engine option, in the shape vLLM users know."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from kvforge.errors import ConfigError
@@ -48,25 +49,21 @@ class SpeculativeConfig:
     model: str | None = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
+        if not isinstance(self.method, str) or self.method not in METHODS:
             raise ConfigError(f"speculative method {self.method!r} is not supported; allowed: {', '.join(METHODS)}")
         ints = {n: getattr(self, n) for n in _INTS}
         if self.num_layers is not None:
             ints["num_layers"] = self.num_layers
         bad = [n for n, v in ints.items() if not _positive_int(v)]
         if bad:
-            raise ConfigError(f"speculative: {', '.join(bad)} must be integers >= 1, got "
+            raise ConfigError(f"speculative: {', '.join(bad)} must be integers >= 1 (not booleans or floats), got "
                               + ", ".join(f"{n}={ints[n]!r}" for n in bad))
         self._check_adaptive()
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"speculative: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                               f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.layers is not None:
-            layers = tuple(self.layers) if isinstance(self.layers, (list, tuple)) else None
-            if not layers or not all(_positive_int(i + 1) for i in layers if isinstance(i, int)) and all(isinstance(i, int) for i in layers) or list(layers) != sorted(set(layers)):
-                raise ConfigError(f"speculative: layers must be a non-empty ascending list of distinct layer indices "
-                                  f">= 0, got {self.layers!r}")
-            object.__setattr__(self, "layers", layers)
+            object.__setattr__(self, "layers", _layer_indices(self.layers))
         self._check_method_options()
 
     def _check_adaptive(self) -> None:
@@ -111,15 +108,34 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative must be a dict such as {{'method': 'ngram', 'num_speculative_tokens': 5}}, "
                               f"got {type(value).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(repr(k) for k in value if k not in known)  # keys may be of any type
         if unknown:
-            raise ConfigError(f"speculative: unknown options {unknown}; allowed: {sorted(known)}")
+            raise ConfigError(f"speculative: unknown options {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
         return cls(**value)
 
 
+def _layer_indices(layers) -> tuple[int, ...]:
+    """layers as a tuple; ConfigError unless a non-empty ascending list of distinct integer indices >= 0."""
+    items = list(layers) if isinstance(layers, (list, tuple)) else []
+    if not items or not all(_int(i) and i >= 0 for i in items) or items != sorted(set(items)):
+        raise ConfigError(f"speculative: layers must be a non-empty ascending list of distinct layer indices "
+                          f"(integers >= 0, not booleans or floats), got {layers!r}")
+    return tuple(items)
+
+
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite int or float (not a bool; not an int too large for a float)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    return _int(v) and v >= 1

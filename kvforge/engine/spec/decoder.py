@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from kvforge.engine.sampler import target_probs
+from kvforge.engine.sampler import check_finite, target_probs
 from kvforge.engine.scheduler import ScheduledBatch
 from kvforge.engine.spec.config import SpeculativeConfig
 from kvforge.engine.spec.model_drafter import PENDING, ModelDrafter
@@ -103,6 +103,7 @@ class SpeculativeDecoder:
     def verify(self, seq, logits: torch.Tensor) -> list[int]:
         """logits [len(drafts) + 1, vocab] of seq's last rows -> the tokens it emits this step."""
         drafts = seq.draft_token_ids
+        check_finite(logits)
         if seq.params.greedy:
             out = verify_greedy(logits, drafts)
         else:
