@@ -10,6 +10,7 @@ period (kvforge.kv.tiers.breaker), then probed again.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -206,7 +207,8 @@ class TierChain:
             start = time.perf_counter()
             with self._lock:
                 private = frozenset(k for k, _ in items if k in self.private)
-            pushed = self._call(t, lambda batch: self.tiers[t].put(batch, private), items, default=None, load=False)
+            put = functools.partial(self.tiers[t].put, private=private)
+            pushed = self._call(t, put, items, default=None, load=False)
             seconds = time.perf_counter() - start
             self._forget_pending(moving)
             if pushed is None:
