@@ -67,13 +67,24 @@ class DiskTier(Tier):
         return os.path.join(self.directory, name + SUFFIX)
 
     def contains(self, keys):
-        """A hit counts as a use (the file moves to the recent end of the index)."""
+        """A hit counts as a use (the file moves to the recent end of the index). Keys the index lacks are looked
+        for on disk (another process may have written them), up to the first one that is not there."""
         with self._lock:
             out = [k.name in self._index for k in keys]
             for k, hit in zip(keys, out):
                 if hit:
                     self._index.move_to_end(k.name)
-            return out
+        for i, k in enumerate(keys):
+            if not out[i]:
+                try:
+                    size = os.stat(self._path(k.name)).st_size
+                except FileNotFoundError:
+                    break
+                with self._lock:
+                    self._used += size - self._index.pop(k.name, 0)
+                    self._index[k.name] = size
+                out[i] = True
+        return out
 
     def get(self, keys):
         return [self._get_one(k) for k in keys]
