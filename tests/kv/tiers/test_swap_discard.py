@@ -2,29 +2,14 @@
 Redis a swap key carries a TTL in case its discard never comes."""
 from __future__ import annotations
 
-import threading
-
 import redis
+from tier_helpers import GatedHost
 
 from kvforge.kv.tiers.chain import TierChain
-from kvforge.kv.tiers.host import HostTier
 from kvforge.kv.tiers.keys import BlockKey
 from kvforge.kv.tiers.redis_tier import PRIVATE_TTL_S, RedisTier, redis_key
 
 DESC = "fp32 {} block_size=8"
-
-
-class GatedHost(HostTier):
-    """A host tier whose put waits until the test opens the gate."""
-
-    def __init__(self):
-        super().__init__(1 << 20)
-        self.entered, self.gate = threading.Event(), threading.Event()
-
-    def put(self, items, private=frozenset()):
-        self.entered.set()
-        assert self.gate.wait(30)
-        return super().put(items)
 
 
 def test_discard_waits_for_the_store_in_flight():
