@@ -39,6 +39,7 @@ class TierChain:
         self.queued_bytes = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()  # ("store" | "discard", items or keys, bytes); None: stop
+        self._reading: dict[int, float] = {}  # tier -> when the lookup or load in flight on it began
         self._worker = threading.Thread(target=self._run, name="kvforge-tier-store", daemon=True)
         self._worker.start()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-tier-load")
@@ -47,8 +48,15 @@ class TierChain:
 
     def lookup_blocks(self) -> bool:
         """Whether a lookup now would call a remote tier (one whose breaker lets calls through): then it must run
-        on the load worker (`fetch_run`), else the engine thread may look up itself (`leading_run(local=True)`)."""
-        return any(t.remote and b.would_allow() for t, b in zip(self.tiers, self.breakers))
+        on the load worker (`fetch_run`), else the engine thread may look up itself (`leading_run(local=True)`).
+        While a lookup or load of a remote tier has been in flight for `slow_call_s`, new requests do not queue
+        behind it: they look up locally (the remote tier's keys count as skipped)."""
+        return any(t.remote and b.would_allow() and not self._stuck(i, b)
+                   for i, (t, b) in enumerate(zip(self.tiers, self.breakers)))
+
+    def _stuck(self, t: int, breaker: CircuitBreaker) -> bool:
+        began = self._reading.get(t)
+        return began is not None and breaker.clock() - began >= breaker.slow_call_s
 
     def lookup(self, keys: list[BlockKey], local: bool = False) -> list[int | None]:
         """For each key, the index of the first tier holding it (-1: a store still queued), None: nowhere;
@@ -238,6 +246,9 @@ class TierChain:
         if not breaker.allow():
             self.stats[t].skipped_blocks += len(arg)
             return default
+        began, reading = breaker.clock(), load is not False and self.tiers[t].remote
+        if reading:
+            self._reading[t] = began
         try:
             out = fn(arg)
         except Exception as e:  # noqa: BLE001 - a tier that fails is a miss; serving goes on
@@ -246,12 +257,15 @@ class TierChain:
             elif load is not None:
                 self.stats[t].failed_stores += len(arg)
             trips = breaker.trips
-            breaker.failed()
+            breaker.failed(breaker.clock() - began)
             if breaker.trips > trips:
                 log.warning("KV tier %s failed %d times in a row (last: %s: %s); skipped for %.1f s, then retried",
                             self.tiers[t].name, breaker.failures, type(e).__name__, e,
                             (breaker.open_until or 0.0) - breaker.clock())
             return default
+        finally:
+            if reading:
+                self._reading.pop(t, None)
         if breaker.is_open:
             log.warning("KV tier %s works again", self.tiers[t].name)
         breaker.succeeded()

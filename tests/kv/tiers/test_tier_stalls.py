@@ -23,11 +23,13 @@ def keys(n: int, start: int = 0) -> list[BlockKey]:
 
 
 def test_running_stream_decodes_while_a_lookup_hangs_on_paused_redis(tiny_loaded, private_redis):
-    reference = ask_each(engine(tiny_loaded, blocks=16), docs()[:1])[0]
-    e = engine(tiny_loaded, blocks=16, tiers=[private_redis.url])
+    reference = ask_each(engine(tiny_loaded, blocks=24), docs()[:3])
+    e = engine(tiny_loaded, blocks=24, tiers=[private_redis.url])
     made = e.tiers.tiers[0]
     e.tiers.tiers[0] = RedisTier(private_redis.url, made.description, timeout_s=5)  # hangs until SIGCONT
     made.close()
+    now = [0.0]
+    e.tiers.breakers[0].clock = lambda: now[0]
     stream = e.add_request(docs()[1][:5], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     e.step()
     os.kill(private_redis.process.pid, signal.SIGSTOP)
@@ -40,20 +42,25 @@ def test_running_stream_decodes_while_a_lookup_hangs_on_paused_redis(tiny_loaded
             e.step()
             assert e.requests[waiting].status is SequenceStatus.LOADING and not lookup.done()
         assert len(e.requests[stream].output_token_ids) == before + 10
+        now[0] = 1.0  # the lookup has hung past slow_call_s: a new request does not queue behind it
+        late = e.add_request(docs()[2], GREEDY)
+        e.step()
+        assert e.requests[late].status is SequenceStatus.RUNNING and not lookup.done()
     finally:
         os.kill(private_redis.process.pid, signal.SIGCONT)
     done = {}
     while e.has_unfinished_requests():
         done.update({o.request_id: o for o in e.step() if o.finished})
-    assert done[waiting].token_ids == reference.token_ids and done[waiting].finish_reason == "length"
-    assert len(done[stream].token_ids) == 40
+    assert done[waiting].token_ids == reference[0].token_ids and done[waiting].finish_reason == "length"
+    assert done[late].token_ids == reference[2].token_ids and len(done[stream].token_ids) == 40
+    assert e.stats()["tier_redis_skipped_blocks"] == 4  # the late request's blocks, not asked of Redis
     e.kv.allocator.check()
     e.close()
 
 
 def test_breaker_opens_after_repeated_failures_and_closes_after_recovery(private_redis):
     now = [0.0]
-    breaker = CircuitBreaker(failures_to_open=3, backoff_s=10, max_backoff_s=40, clock=lambda: now[0])
+    breaker = CircuitBreaker(failures_to_open=3, backoff_s=10, max_backoff_s=40, slow_call_s=1, clock=lambda: now[0])
     chain = TierChain([RedisTier(private_redis.url, DESC, timeout_s=0.2)], 8, breakers=[breaker])
     chain.store(list(zip(keys(2), [b"a" * 32, b"b" * 32])))
     chain.flush()
