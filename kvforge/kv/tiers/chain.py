@@ -46,7 +46,7 @@ class TierChain:
 
     # -- lookups and loads -----------------------------------------------------------------------
 
-    def lookup_blocks(self) -> bool:
+    def lookup_may_hang(self) -> bool:
         """Whether a lookup now would call a remote tier (one whose breaker lets calls through): then it must run
         on the load worker (`fetch_run`), else the engine thread may look up itself (`leading_run(local=True)`).
         While a lookup or load of a remote tier has been in flight for `slow_call_s`, new requests do not queue

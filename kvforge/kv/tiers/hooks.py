@@ -53,7 +53,7 @@ class TierHooks:
         keys = self.keys.chain(req.token_ids[:usable], req.cache_salt)[matched // self.block_size:]
         if not keys:
             return
-        if self.tiers.lookup_blocks():
+        if self.tiers.lookup_may_hang():
             fetch = self.tiers.fetch_run(keys)  # the lookup may hang: it runs on the load worker
         else:
             where = self.tiers.leading_run(keys, local=True)

@@ -70,14 +70,14 @@ def test_breaker_opens_after_repeated_failures_and_closes_after_recovery(private
             assert chain.lookup(keys(2)) == [None, None]
         s = chain.stats_dict()
         assert s["tier_redis_failed_loads"] == 6 and s["tier_redis_circuit_open"] == 1
-        assert s["tier_redis_circuit_trips"] == 1 and not chain.lookup_blocks()
+        assert s["tier_redis_circuit_trips"] == 1 and not chain.lookup_may_hang()
         assert chain.lookup(keys(2)) == [None, None]  # not called: skipped, not failed
         assert chain.store([(keys(1, 5)[0], b"c" * 32)])
         chain.flush()
         s = chain.stats_dict()
         assert s["tier_redis_skipped_blocks"] == 3 and s["tier_redis_failed_loads"] == 6
         now[0] = 10.0
-        assert chain.lookup_blocks()
+        assert chain.lookup_may_hang()
         assert chain.lookup(keys(2)) == [None, None]  # the probe fails too: open again, for twice as long
         assert chain.stats_dict()["tier_redis_circuit_trips"] == 2 and breaker.open_until == 30.0
     finally:
@@ -85,7 +85,7 @@ def test_breaker_opens_after_repeated_failures_and_closes_after_recovery(private
     now[0] = 30.0
     assert chain.lookup(keys(2)) == [0, 0]  # the probe succeeds: closed
     s = chain.stats_dict()
-    assert s["tier_redis_circuit_open"] == 0 and chain.lookup_blocks()
+    assert s["tier_redis_circuit_open"] == 0 and chain.lookup_may_hang()
     assert chain.load(keys(2), [0, 0]) == [b"a" * 32, b"b" * 32]
     chain.close()
 
@@ -97,7 +97,7 @@ def test_engine_skips_an_open_tier_without_waiting(tiny_loaded, private_redis):
     private_redis.stop()
     for _ in range(3):
         e.tiers.breakers[1].failed()
-    assert not e.tiers.lookup_blocks()
+    assert not e.tiers.lookup_may_hang()
     rid = e.add_request(docs()[0], GREEDY)
     e.step()
     assert e.requests[rid].status is SequenceStatus.RUNNING
