@@ -103,6 +103,7 @@ def test_processes_writing_at_once_stay_within_the_budget(tmp_path):
                               env=env, cwd=tmp_path) for w in range(2)]
     deadline = time.monotonic() + 120
     while not all(os.path.exists(f"{go}{10000 * w}") for w in range(2)) and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs)
         time.sleep(0.01)  # until both have imported and opened the tier
     go.touch()
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
