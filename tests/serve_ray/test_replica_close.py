@@ -29,7 +29,7 @@ def test_replica_shutdown_closes_its_engine(tmp_path):
               "kv_tiers": [f"disk:{tier}:16MiB"], "kv_tier_write_through": False}
     replica = KVForgeReplica(kwargs, ServerConfig())
     assert asyncio.run(_complete(replica)) == 200
-    assert not os.listdir(tier)
+    assert not [f for f in os.listdir(tier) if f.endswith('.kvb')]
     engine = replica.engine
     replica.__del__()
-    assert engine.tiers.closed and len(os.listdir(tier)) == 2
+    assert engine.tiers.closed and len([f for f in os.listdir(tier) if f.endswith('.kvb')]) == 2

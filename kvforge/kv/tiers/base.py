@@ -16,6 +16,7 @@ class Tier(ABC):
     name: str
     capacity_bytes: int | None = None  # None: bounded by the store itself (Redis's maxmemory)
     shared = False  # other processes read it and it outlives this one (disk, Redis): write-through by default
+    remote = False  # calls cross the network and may hang: the engine thread never makes them
 
     @abstractmethod
     def contains(self, keys: list[BlockKey]) -> list[bool]: ...
@@ -24,7 +25,10 @@ class Tier(ABC):
     def get(self, keys: list[BlockKey]) -> list[bytes | None]: ...
 
     @abstractmethod
-    def put(self, items: list[tuple[BlockKey, bytes]]) -> list[tuple[BlockKey, bytes]]: ...
+    def put(self, items: list[tuple[BlockKey, bytes]], private: frozenset[BlockKey] = frozenset()
+            ) -> list[tuple[BlockKey, bytes]]:
+        """Store items; `private` keys (a swapped request's blocks) are read once and discarded: a shared store
+        gives them an expiry, so a key whose discard never arrives (a crash) does not stay forever."""
 
     @abstractmethod
     def used_bytes(self) -> int: ...

@@ -4,10 +4,11 @@ Reclaim -> store (write-back): blocks the prefix tree gives back are exported (o
 can be reused) and queued for the tier chain's store worker. Write-through tiers (as in SGLang HiCache; disk and Redis
 by default, so other processes reuse a block at once) get a block when it enters the prefix tree instead; with no
 write-back tier, reclaiming only frees it. Blocks move as `block_io` exports them: the pool's, or the pool's and a
-draft model's (kvforge.kv.pool_pair). Admission -> load: after the pool's longest match,
-the match continues block by block through the tiers; hit blocks get pool blocks at once, their bytes are
-fetched by the chain's load worker, and the request waits (the scheduler's `loading` list) until
-`finish_load` imports them and puts them in the prefix tree. It never runs on half-loaded K/V.
+draft model's (kvforge.kv.pool_pair). Admission -> load: after the pool's longest match, the match continues block
+by block through the tiers. The engine thread looks up only tiers that answer from memory (pending stores, host, disk
+index); when a remote tier (Redis) may be asked, the lookup runs on the chain's load worker with the load. The
+request waits (the scheduler's `loading` list) until `finish_load` gives the blocks that came in pool blocks, imports
+them and puts them in the prefix tree. It never runs on half-loaded K/V, and no step waits for a tier.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 @dataclass
 class PendingLoad:
     future: Future  # -> list[bytes | None], one per block
-    block_ids: list[int]  # pool blocks reserved for them (held by the request)
+    block_ids: list[int]  # pool blocks reserved for them (held by the request; a prefix load gets them at the end)
     matched: int  # tokens the request held from the pool before the load
     swap: list | None = None  # the private keys of a swap-in (kvforge.kv.tiers.swap); None: a prefix load
 
@@ -52,16 +53,16 @@ class TierHooks:
     def _load_from_tiers(self, req, usable: int, matched: int) -> None:
         """Start fetching the blocks after the pool's match of `matched` tokens that the tiers hold, in order."""
         keys = self.keys.chain(req.token_ids[:usable], req.cache_salt)[matched // self.block_size:]
-        where = self.tiers.leading_run(keys) if keys else []
-        if not where:
+        if not keys:
             return
-        # fetch before reclaiming: the blocks reclaim stores must not push these out of their tier first
-        fetch = self.tiers.fetch(keys[:len(where)], where)
-        if not self.allocator.can_allocate(len(where)):
-            self._reclaim(len(where) - self.allocator.num_free)
-        n = min(len(where), self.allocator.num_free)
-        if n:
-            self._state(req).load = PendingLoad(fetch, self.allocator.allocate(n), matched)
+        if self.tiers.lookup_may_hang():
+            fetch = self.tiers.fetch_run(keys)  # the lookup may hang: it runs on the load worker
+        else:
+            where = self.tiers.leading_run(keys, local=True)
+            if not where:
+                return
+            fetch = self.tiers.fetch(keys[:len(where)], where)
+        self._state(req).load = PendingLoad(fetch, [], matched)
 
     def is_loading(self, req) -> bool:
         state = self.requests.get(req.request_id)
@@ -83,15 +84,18 @@ class TierHooks:
         if not load.future.done():
             return False
         state.load = None
-        payloads = load.future.result()[:len(load.block_ids)]
+        payloads = load.future.result()
         if load.swap is not None:
             self._finish_swap_in(state, load, payloads)
             return True
         good = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
-        self.allocator.decref(load.block_ids[good:])
+        if good and not self.allocator.can_allocate(good):
+            self._reclaim(good - self.allocator.num_free)
+        good = min(good, self.allocator.num_free)
         if not good:
             return True
-        ids = load.block_ids[:good]
+        ids = self.allocator.allocate(good)
+        self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
         self.block_io.import_blocks(ids, payloads[:good])
         state.block_table.extend(ids)
         state.num_matched = load.matched + good * self.block_size

@@ -42,7 +42,7 @@ class HostTier(Tier):
                 out.append(v)
             return out
 
-    def put(self, items):
+    def put(self, items, private=frozenset()):
         pushed: list[tuple[BlockKey, bytes]] = []
         with self._lock:
             for key, payload in items:

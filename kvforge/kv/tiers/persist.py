@@ -50,8 +50,10 @@ def persist_cached(kv, deadline: float) -> tuple[int, int]:
         lacking = _lacking(chain, keys, targets)
         ids = [b for b, lack in zip(node.block_ids, lacking) if lack]
         items = list(zip([k for k, lack in zip(keys, lacking) if lack], kv.block_io.export_blocks(ids)))
-        chain.store_to(items, targets, push=False)
-        queued += len(items)
+        if chain.store_to(items, targets, push=False):
+            queued += len(items)
+        else:
+            skipped += len(items)
     for t, tier in enumerate(chain.tiers):
         if tier.shared or not hasattr(tier, "items"):
             continue
@@ -61,8 +63,10 @@ def persist_cached(kv, deadline: float) -> tuple[int, int]:
             continue
         lacking = _lacking(chain, [k for k, _ in entries], targets)
         items = [e for e, lack in zip(entries, lacking) if lack]
-        chain.store_to(items, targets, push=False)
-        queued += len(items)
+        if chain.store_to(items, targets, push=False):
+            queued += len(items)
+        else:
+            skipped += len(items)
     return queued, skipped
 
 
@@ -70,9 +74,6 @@ def _lacking(chain, keys: list[BlockKey], targets: list[int]) -> list[bool]:
     """For each key: does some target tier not hold it (a tier that cannot answer holds nothing)?"""
     lacking = [False] * len(keys)
     for t in targets:
-        try:
-            held = chain.tiers[t].contains(keys)
-        except Exception:  # noqa: BLE001 - the store will fail too, and be counted there
-            held = [False] * len(keys)
+        held = chain.call(t, chain.tiers[t].contains, keys, default=[False] * len(keys), load=True)
         lacking = [lack or not h for lack, h in zip(lacking, held)]
     return lacking

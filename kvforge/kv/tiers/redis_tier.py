@@ -4,7 +4,8 @@ One Redis key per block, 'kvforge:<group>-<hex digest>', whose value is the whol
 format and checksum, then the payload), so Redis's own eviction drops both or neither. Lookups, reads and
 writes are batched in one pipeline or MGET per call. The key's namespace (weights, format, options, block
 size, salt) is inside the digest, so engines of different models or tenants never share an entry.
-Errors (server down, killed, slow) raise to the chain, which counts them and reads them as misses.
+Errors (server down, killed, slow) raise to the chain, which counts them and reads them as misses. Swap keys
+(private) get a TTL, so one whose discard never arrives does not stay forever.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvforge.kv.tiers.keys import BlockKey
 
 PREFIX = "kvforge:"
 TIMEOUT_S = 1.0
+PRIVATE_TTL_S = 3600  # a swapped request's blocks expire if their discard never comes (the engine died)
 log = logging.getLogger("kvforge.kv.tiers")
 _URL = re.compile(r"redis://(?P<host>[^:/]+):(?P<port>\d+)(?:/(?P<db>\d+))?/?")
 
@@ -36,6 +38,7 @@ def redis_key(key: BlockKey) -> str:
 class RedisTier(Tier):
     name = "redis"
     shared = True
+    remote = True
 
     def __init__(self, url: str, description: str, timeout_s: float = TIMEOUT_S):
         try:
@@ -75,10 +78,10 @@ class RedisTier(Tier):
             self.client.delete(*bad)
         return out
 
-    def put(self, items):
+    def put(self, items, private=frozenset()):
         pipe = self.client.pipeline(transaction=False)
         for k, payload in items:
-            pipe.set(redis_key(k), pack(k, payload, self.description))
+            pipe.set(redis_key(k), pack(k, payload, self.description), ex=PRIVATE_TTL_S if k in private else None)
         pipe.execute()
         self._stored += sum(len(p) for _, p in items)
         return []

@@ -1,4 +1,4 @@
-"""Counters of one tier: lookups, hits, blocks and bytes stored/loaded/evicted, latencies, failures."""
+"""Counters of one tier: lookups, hits, blocks and bytes stored/loaded/evicted, latencies, failures, skips."""
 from __future__ import annotations
 
 from collections import deque
@@ -25,6 +25,8 @@ class TierStats:
     evicted_blocks: int = 0
     failed_loads: int = 0
     failed_stores: int = 0
+    skipped_blocks: int = 0  # lookups, loads and stores not made while the tier's breaker was open
+    dropped_stores: int = 0  # blocks not stored because the store queue was full (counted on the first tier)
     load_seconds: float = 0.0
     store_seconds: float = 0.0
     load_latency: deque = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
@@ -55,6 +57,8 @@ class TierStats:
             f"{prefix}_evicted_blocks": self.evicted_blocks,
             f"{prefix}_failed_loads": self.failed_loads,
             f"{prefix}_failed_stores": self.failed_stores,
+            f"{prefix}_skipped_blocks": self.skipped_blocks,
+            f"{prefix}_dropped_stores": self.dropped_stores,
             f"{prefix}_load_p50_ms": 1e3 * _percentile(load, 0.5),
             f"{prefix}_load_p99_ms": 1e3 * _percentile(load, 0.99),
             f"{prefix}_store_p50_ms": 1e3 * _percentile(store, 0.5),

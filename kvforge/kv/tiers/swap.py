@@ -4,7 +4,8 @@ swap_out exports every block of a preempted request (its exact rows, staged or c
 to the first tier under private keys and frees them; the request keeps its computed tokens, evicted count and
 policy statistics. At admission, swap-in reserves blocks and fetches them on the load worker, like a tier
 load; the request waits in the loading state and resumes bit-exact. If a block cannot be read back (the tier
-pushed it out and nothing held it), the request starts over by recompute.
+pushed it out and nothing held it), the request starts over by recompute. The private keys are discarded after
+the swap-in (ordered after their store by the chain), and a shared store expires them in case that never happens.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class SwapHooks:
         table = state.block_table[:blocks_for_tokens(self.cache_len(req), self.block_size)]
         tag = uuid.uuid4().bytes
         keys = [BlockKey(0, bytes(a ^ b for a, b in zip(tag, i.to_bytes(16, "little")))) for i in range(len(table))]
-        self.tiers.store(list(zip(keys, self.block_io.export_blocks(table))))
+        if not self.tiers.store(list(zip(keys, self.block_io.export_blocks(table))), private=True):
+            return False  # the store queue is full: preempt by recompute instead
         entry = SwappedKV(keys, req.num_computed_tokens, state.num_evicted, state.policy_state)
         self.free(req, cache=False)
         self.swapped[req.request_id] = entry
@@ -68,8 +70,7 @@ class SwapHooks:
         ids = self.allocator.allocate(len(entry.keys))
         state = self._state(req)
         state.num_evicted, state.policy_state, state.num_matched = entry.num_evicted, entry.policy_state, entry.num_computed
-        where = self.tiers.lookup(entry.keys)  # None: nowhere, reads as a miss
-        state.load = PendingLoad(self.tiers.fetch(entry.keys, where), ids, entry.num_computed, swap=entry.keys)
+        state.load = PendingLoad(self.tiers.fetch_all(entry.keys), ids, entry.num_computed, swap=entry.keys)
         return entry.num_computed
 
     def _finish_swap_in(self, state, load: PendingLoad, payloads: list) -> None:

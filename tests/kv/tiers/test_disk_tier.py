@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tier_helpers import ask_each, ask_flushed, docs, engine, twice
 
-from kvforge.kv.tiers.disk import SUFFIX, DiskTier
+from kvforge.kv.tiers.disk import LOCK_NAME, SUFFIX, DiskTier
 from kvforge.kv.tiers.keys import BlockKey
 
 DESC = "fp32 {} block_size=8"
@@ -24,7 +24,7 @@ def test_round_trip_and_budget(tmp_path):
     assert pushed == [(key(0), payloads[0])]  # oldest out (with its payload, for the next tier)
     assert tier.contains([key(i) for i in range(4)]) == [False, True, True, True]
     assert tier.get([key(2), key(0)]) == [payloads[2], None]
-    assert sorted(os.listdir(tmp_path)) == sorted(key(i).name + SUFFIX for i in (1, 2, 3))
+    assert sorted(os.listdir(tmp_path)) == sorted([LOCK_NAME] + [key(i).name + SUFFIX for i in (1, 2, 3)])
     again = DiskTier(str(tmp_path), 3 * 250, DESC)  # a restart indexes what is there
     assert again.get([key(1)]) == [payloads[1]] and again.used_bytes() == tier.used_bytes()
 

@@ -40,6 +40,10 @@ def test_shared_tier_is_write_through_by_default(tiny_loaded, tmp_path, redis_ur
     second.close()
 
 
+def _entries(directory) -> list[str]:
+    return [f for f in os.listdir(directory) if f.endswith(".kvb")]
+
+
 def test_host_tier_stays_write_back_by_default(tiny_loaded, tmp_path):
     e = engine(tiny_loaded, ROOMY, tiers=["host:1MiB", _disk(tmp_path)])
     assert e.tiers.write_through == [False, True]
@@ -54,11 +58,11 @@ def test_write_back_close_keeps_the_cache_for_the_next_engine(tiny_loaded, tmp_p
     first = engine(tiny_loaded, 8 if host else ROOMY, tiers=specs, kv_tier_write_through=False)
     ask_each(first, docs())
     first.tiers.flush()
-    assert not os.listdir(tmp_path) and first.stats().get("tier_host_stored_blocks", 1) > 0  # write-back: disk got nothing while running
+    assert not _entries(tmp_path) and first.stats().get("tier_host_stored_blocks", 1) > 0  # write-back: disk got nothing while running
     first.close()
     s = first.stats()
     assert s["tier_close_queued_blocks"] == 4 * PER_DOC and s["tier_close_unwritten_blocks"] == 0
-    assert len(os.listdir(tmp_path)) == 4 * PER_DOC
+    assert len(_entries(tmp_path)) == 4 * PER_DOC
     second = engine(tiny_loaded, ROOMY, tiers=[_disk(tmp_path)])
     again = ask_each(second, docs())
     assert [o.token_ids for o in again] == [o.token_ids for o in reference]
@@ -72,7 +76,7 @@ def test_close_past_its_deadline_counts_what_it_left(tiny_loaded, tmp_path):
     e.close(timeout=0)
     s = e.stats()
     assert s["tier_close_unwritten_blocks"] == 4 * PER_DOC and s["tier_close_queued_blocks"] == 0
-    assert not os.listdir(tmp_path)
+    assert not _entries(tmp_path)
     e.close()  # a second close does nothing
     assert e.tiers.closed
 
@@ -91,7 +95,7 @@ def _hits(tiny_dir: str, tmp_path) -> int:
 def test_llm_context_manager_and_garbage_collection_keep_the_cache(tiny_dir, tmp_path):
     with _llm(tiny_dir, tmp_path) as llm:
         llm.generate(docs(1), GREEDY)
-    assert llm.engine.tiers.closed and len(os.listdir(tmp_path)) == PER_DOC
+    assert llm.engine.tiers.closed and len(_entries(tmp_path)) == PER_DOC
     assert _hits(tiny_dir, tmp_path) == 32
 
     for f in os.listdir(tmp_path):
@@ -101,7 +105,7 @@ def test_llm_context_manager_and_garbage_collection_keep_the_cache(tiny_dir, tmp
     engine_of_it = llm.engine
     del llm
     gc.collect()
-    assert engine_of_it.tiers.closed and len(os.listdir(tmp_path)) == PER_DOC
+    assert engine_of_it.tiers.closed and len(_entries(tmp_path)) == PER_DOC
     assert _hits(tiny_dir, tmp_path) == 32
 
 

@@ -1,10 +1,13 @@
 """Shared by the tier tests: tiny engines with a small pool, documents asked twice, one request at a time."""
 from __future__ import annotations
 
+import threading
+
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.kv.formats import get_format
 from kvforge.kv.memory import pool_bytes
+from kvforge.kv.tiers.host import HostTier
 from kvforge.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -47,3 +50,16 @@ def ask_flushed(e: LLMEngine, prompts: list[list[int]]) -> list:
 
 def twice(e: LLMEngine, n: int = 4) -> list:
     return ask_each(e, docs(n) + docs(n))
+
+
+class GatedHost(HostTier):
+    """A host tier whose put waits until the test opens `gate` (`entered` tells that the store worker is in it)."""
+
+    def __init__(self):
+        super().__init__(1 << 20)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def put(self, items, private=frozenset()):
+        self.entered.set()
+        assert self.gate.wait(30)
+        return super().put(items)
