@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-from importlib.metadata import version
 
 import pytest
 
@@ -10,6 +9,7 @@ from kvforge.cli import build_parser, main
 from kvforge.cli.formatting import FLAG_ACTIONS, DefaultsHelpFormatter, all_parsers
 from kvforge.sampling_params import SamplingParams
 from kvforge.server.protocol import ChatRequest, CompletionRequest
+from kvforge.version import package_version
 
 SAMPLING = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
 
@@ -43,7 +43,7 @@ def test_help_renders_defaults_and_version(capsys):
     assert "--raw, --no-chat" in text
     with pytest.raises(SystemExit) as e:
         main(["--version"])
-    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"kvforge {version('kvforge')}"
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"kvforge {package_version()}"
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
