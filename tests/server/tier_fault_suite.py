@@ -52,10 +52,11 @@ class SuiteConfig:
     disk_budget: int = 96 << 10  # every engine's disk tier budget, in bytes
 
 
-SMALL = SuiteConfig((EngineSpec("a", write_through=True), EngineSpec("b", redis_first=True)), 24, 1)
-FULL = SuiteConfig((EngineSpec("a"), EngineSpec("a", "fp16", "int8", write_through=True, redis_first=True),
-                    EngineSpec("b"), EngineSpec("b", "int8", write_through=True), EngineSpec("a", "bf16", redis_first=True),
-                    EngineSpec("a", tiers=False)), 64, 6, 192 << 10)
+# model a's engine stores each block in Redis as soon as it is computed; b's engine asks Redis for the same prompts
+SMALL = SuiteConfig((EngineSpec("a", write_through=True, redis_first=True), EngineSpec("b")), 24, 1)
+FULL = SuiteConfig((EngineSpec("a", write_through=True, redis_first=True), EngineSpec("a", weights="int8", redis_first=True),
+                    EngineSpec("b"), EngineSpec("b", "int8", write_through=True), EngineSpec("a", "fp16", redis_first=True),
+                    EngineSpec("a", "bf16", write_through=True), EngineSpec("a", tiers=False)), 64, 6, 192 << 10)
 
 
 @dataclass
@@ -97,26 +98,38 @@ class Report:
 
 
 def plan(config: SuiteConfig, seed: int) -> list[TierJob]:
-    rng = random.Random(seed)
+    """Job i runs in phase i % 4 on engine i // 4 % n; the n jobs of a phase in each run of 4n share prompt and salt,
+    so every engine asks for what the one before it computed (engine k starts k seconds into the phase)."""
+    rng, n = random.Random(seed), len(config.engines)
     prompts = [p + f"Q{k}: " + "".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(3, 12)))
-               for k, p in enumerate(PREFIXES * 4)]  # 12 prompts: every one is asked several times, on several engines
+               for k, p in enumerate(PREFIXES * 4)]
+    asks = [(rng.choice(prompts), rng.choice((None, None, "tenant-1"))) for _ in range(config.clients)]
     kinds = (["stream"] * 7 + ["plain"] * 3 + ["quit"] * 2 + ["bad"] * 3) * (config.clients // 15 + 1)
     kinds = kinds[:config.clients]
     rng.shuffle(kinds)
     bad = [name for name in BAD] * config.clients
-    return [TierJob(i, kind, rng.choice(prompts), rng.choice((8, 16, 24)), rng.randint(1, 4), bad[i] if kind == "bad" else "",
-                    engine=rng.randrange(len(config.engines)), salt=rng.choice((None, None, "tenant-1")), phase=i % 4)
-            for i, kind in enumerate(kinds)]
+    jobs = []
+    for i, kind in enumerate(kinds):
+        prompt, salt = asks[i % 4 + i // (4 * n) * 4]
+        jobs.append(TierJob(i, kind, prompt, rng.choice((16, 24, 32)), rng.randint(1, 4), bad[i] if kind == "bad" else "",
+                            engine=i // 4 % n, salt=salt, phase=i % 4))
+    return jobs
 
 
 def write_models(directory: Path) -> dict[str, str]:
-    """Model a, and model b: a's weights with another rope_theta (a config change that changes every K)."""
+    """Model a, and model b: a's weights with another rope_theta (a config change that changes every K). Queries
+    are scaled up in both, so attention is sharp and outputs depend on positions: K/V of the other model shows."""
+    from safetensors.torch import load_file, save_file
+
     dirs = {"a": directory / "model-a", "b": directory / "model-b"}
     for d in dirs.values():
         write_tiny_char_model(d)
+        weights = load_file(d / "model.safetensors")
+        save_file({k: v * 8 if "q_proj" in k else v for k, v in weights.items()}, d / "model.safetensors",
+                  metadata={"format": "pt"})
     config = json.loads((dirs["b"] / "config.json").read_text())
-    config.setdefault("rope_parameters", {})["rope_theta"] = 500.0
-    config["rope_theta"] = 500.0
+    config.setdefault("rope_parameters", {})["rope_theta"] = 20.0
+    config["rope_theta"] = 20.0
     (dirs["b"] / "config.json").write_text(json.dumps(config))
     return {k: str(v) for k, v in dirs.items()}
 
@@ -190,7 +203,7 @@ async def run_phase(jobs: list[TierJob], engines: list[EngineProcess], chaos, rn
     """The phase's clients, staggered, with `chaos` (restarts, in a thread) running beside them."""
     async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
         async def one(job: TierJob) -> Result:
-            await asyncio.sleep(job.engine * 0.5 + rng.random())  # engine 0 computes first: the others may reuse
+            await asyncio.sleep(job.engine + rng.random())  # engine 0 computes first: the others may reuse
             try:
                 return await asyncio.wait_for(ask(client, engines[job.engine], job), DEADLINE_S)
             except asyncio.TimeoutError:
