@@ -1,19 +1,25 @@
-"""The processes of the tier fault run: `kvforge serve` engines that share one Redis and one disk directory, each
-restartable with SIGTERM or SIGKILL on its own port, and the Redis they share (paused, killed, restarted)."""
+"""What the tier fault run shares and breaks: `kvforge serve` engines, each restartable with SIGTERM or SIGKILL on its
+own port, the Redis they share (paused, killed, restarted), and their disk directory (stray and corrupt files, its
+size watched)."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
 
 import httpx
 
 from kvforge.kv.tiers.local_redis import LocalRedis, free_port
 
+STRAY = {"backup-2024.kvb": os.urandom(3000), "notes.txt": b"not a KV block\n"}  # foreign files in the tier's directory
 READY_S = 180  # a cold start on a loaded machine (imports, load, packing) takes ~10 s, more when several start
 ENGINE_OPTIONS = {"kv_cache_memory": 160 << 10, "max_model_len": 256, "max_num_seqs": 16}  # a small pool: blocks
 ENGINE_ARGS = ["--kv-memory", "160KiB", "--max-model-len", "256", "--max-num-seqs", "16"]  # leave it for the tiers
@@ -143,3 +149,48 @@ class SharedRedis:
 
     def stop(self) -> None:
         self.kill()
+
+
+class DiskWatch:
+    """Samples the bytes of the tier's files in the shared directory (not the stray files this run drops there)."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.max_bytes, self._stop = directory, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self.max_bytes = max(self.max_bytes, self.sample())
+
+    def sample(self) -> int:
+        total = 0
+        for entry in os.scandir(self.directory):
+            try:
+                total += entry.stat().st_size if entry.name not in STRAY else 0
+            except FileNotFoundError:  # removed while we looked
+                pass
+        return total
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self.thread.join()
+        self.max_bytes = max(self.max_bytes, self.sample())
+
+
+def corrupt_some(directory: Path, rng: random.Random, count: int = 3) -> None:
+    """Truncate one stored block file, flip a byte in the middle of others (what a crash or bad disk leaves)."""
+    files = sorted(p for p in directory.glob("*.kvb") if p.name not in STRAY)
+    for i, path in enumerate(rng.sample(files, min(count, len(files)))):
+        try:
+            data = bytearray(path.read_bytes())
+            if i == 0:
+                data = data[: len(data) // 2]
+            else:
+                data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        except FileNotFoundError:
+            pass

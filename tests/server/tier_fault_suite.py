@@ -14,17 +14,15 @@ import random
 import signal
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Self
 
 import httpx
 from fault_suite import BAD as SERVER_BAD
 from fault_suite import Job, Result
 from faults import write_tiny_char_model
-from tier_cluster import ENGINE_OPTIONS, EngineProcess, EngineSpec, SharedRedis
+from tier_cluster import ENGINE_OPTIONS, STRAY, DiskWatch, EngineProcess, EngineSpec, SharedRedis, corrupt_some
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
@@ -40,7 +38,6 @@ BAD = {name: SERVER_BAD[name] for name in ("n=0", "logprobs=21", "token id 999",
     "temperature=1e-39": ({"temperature": 1e-39}, "temperature"),
     "repetition_penalty=1e-39": ({"repetition_penalty": 1e-39}, "repetition_penalty"),
     "seed=2**64": ({"seed": 2**64}, "seed"), "seed=-2**63-1": ({"seed": -2**63 - 1}, "seed")}
-STRAY = {"backup-2024.kvb": os.urandom(3000), "notes.txt": b"not a KV block\n"}
 STEP = "kvforge_engine_step_seconds"
 
 
@@ -83,7 +80,7 @@ class Report:
     engine_restarts: int = 0
     engine_crashes: int = 0
     max_step_s_redis_paused: float = 0.0  # longest step of a tiered engine while Redis was paused
-    mean_step_s_redis_paused: float = 0.0
+    mean_step_s_redis_paused: float = 0.0  # the highest of the tiered engines' mean steps
     max_step_s_without_tiers: float | None = None  # the control engine's, same phase (when there is one)
     disk_budget_bytes: int = 0
     disk_bytes_max: int = 0  # the tier files in the shared directory, sampled every 0.1 s
@@ -213,51 +210,6 @@ async def run_phase(jobs: list[TierJob], engines: list[EngineProcess], chaos, rn
     return results
 
 
-class DiskWatch:
-    """Samples the bytes of the tier's files in the shared directory (not the stray files this run drops there)."""
-
-    def __init__(self, directory: Path):
-        self.directory, self.max_bytes, self._stop = directory, 0, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.1):
-            self.max_bytes = max(self.max_bytes, self.sample())
-
-    def sample(self) -> int:
-        total = 0
-        for entry in os.scandir(self.directory):
-            try:
-                total += entry.stat().st_size if entry.name not in STRAY else 0
-            except FileNotFoundError:  # removed while we looked
-                pass
-        return total
-
-    def __enter__(self) -> Self:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self.thread.join()
-        self.max_bytes = max(self.max_bytes, self.sample())
-
-
-def corrupt_some(directory: Path, rng: random.Random, count: int = 3) -> None:
-    """Truncate one stored block file, flip a byte in the middle of others (what a crash or bad disk leaves)."""
-    files = sorted(p for p in directory.glob("*.kvb") if p.name not in STRAY)
-    for i, path in enumerate(rng.sample(files, min(count, len(files)))):
-        try:
-            data = bytearray(path.read_bytes())
-            if i == 0:
-                data = data[: len(data) // 2]
-            else:
-                data[len(data) // 2] ^= 0xFF
-            path.write_bytes(bytes(data))
-        except FileNotFoundError:
-            pass
-
-
 def step_during(before: dict, after: dict) -> tuple[float, float]:
     """(longest, mean) step between two /metrics samples: the max gauge when it grew, else the smallest histogram
     bound holding every step of the interval."""
@@ -284,6 +236,24 @@ def settle(engine: EngineProcess) -> dict[str, float]:
         time.sleep(0.1)
     httpx.post(engine.url + "/reset_prefix_cache", timeout=DEADLINE_S).raise_for_status()
     return engine.metrics()
+
+
+def paused_phase(jobs: list[TierJob], engines: list[EngineProcess], redis: SharedRedis, report: Report,
+                 rng: random.Random) -> list[Result]:
+    """Clients run while Redis is stopped (SIGSTOP: connections hang, nothing is refused); steps are timed."""
+    before = [e.metrics() for e in engines]
+    redis.pause()
+    try:
+        results = asyncio.run(run_phase(jobs, engines, lambda: None, rng))
+    finally:
+        redis.resume()
+    steps = [step_during(b, e.metrics()) for b, e in zip(before, engines)]
+    tiered = [s for s, e in zip(steps, engines) if e.spec.tiers]
+    control = [s[0] for s, e in zip(steps, engines) if not e.spec.tiers]
+    report.max_step_s_redis_paused = max(s[0] for s in tiered)
+    report.mean_step_s_redis_paused = max(s[1] for s in tiered)
+    report.max_step_s_without_tiers = max(control) if control else None
+    return results
 
 
 def run_tier_fault_suite(config: SuiteConfig = SMALL, seed: int = 0, workdir: str | None = None) -> Report:
@@ -330,17 +300,7 @@ def _run(config: SuiteConfig, seed: int, work: Path) -> Report:
             for phase, name in enumerate(PHASES):
                 phase_jobs = [j for j in jobs if j.phase == phase]
                 if name == "redis paused":
-                    before = [e.metrics() for e in engines]
-                    redis.pause()
-                    try:
-                        results += asyncio.run(run_phase(phase_jobs, engines, lambda: None, rng))
-                    finally:
-                        redis.resume()
-                    steps = [step_during(b, e.metrics()) for b, e in zip(before, engines)]
-                    report.max_step_s_redis_paused = max(steps[i][0] for i in tiered)
-                    report.mean_step_s_redis_paused = max(steps[i][1] for i in tiered)
-                    control = [steps[i][0] for i, s in enumerate(config.engines) if not s.tiers]
-                    report.max_step_s_without_tiers = max(control) if control else None
+                    results += paused_phase(phase_jobs, engines, redis, report, rng)
                     continue
                 if name == "redis killed":
                     redis.kill()
