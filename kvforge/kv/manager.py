@@ -269,6 +269,8 @@ class KVCacheManager(TierHooks, SwapHooks):
             "kv_blocks_used_peak": self.peak_blocks_used,
             "kv_blocks_free": self.allocator.num_free,
             "kv_blocks_cached_idle": sum(t.reclaimable_blocks() for t in trees),
+            "kv_request_states": len(self.requests),
+            "prefix_tree_nodes": sum(t.num_nodes() for t in trees),
             "kv_groups": len(self.groups),
             "kv_sliding_groups": len(self.groups) - len(self.full_groups),
             "kv_block_size": self.block_size,

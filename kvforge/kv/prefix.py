@@ -259,6 +259,10 @@ class PrefixTree:
 
     # ---- invariants ---------------------------------------------------------------------------
 
+    def num_nodes(self) -> int:
+        """Nodes below the salt roots (a tree that caches nothing has none)."""
+        return len(self._postorder())
+
     def _postorder(self) -> list[RadixNode]:
         """Every node below the salt roots, children before parents."""
         out: list[RadixNode] = []

@@ -4,7 +4,9 @@ The shared library is built by `make install` (or on first use) into `kvforge/op
 sources when that is writable, else `$XDG_CACHE_HOME/kvforge/ops/<key>` (default ~/.cache); both are looked up,
 the package's first, so a process with another HOME still finds it. The key covers the sources, torch, Python
 and the CPU's flags (it is built with -march=native). `KVFORGE_OPS=torch` skips it; without a compiler, or if the
-build fails, the engine runs the torch path and says so once.
+build fails, the engine runs the torch path and says so once. One process builds at a time (`build_lock.py`): a
+build killed midway is started again by the next process, and one still running is waited on for at most
+`KVFORGE_OPS_WAIT_S` seconds (default 600), after which the waiting process runs the torch path.
 """
 from __future__ import annotations
 
@@ -19,12 +21,15 @@ from pathlib import Path
 
 import torch
 
+from kvforge.ops.build_lock import TORCH_LOCK, build_lock
+
 log = logging.getLogger("kvforge.ops")
 CSRC = Path(__file__).parent / "csrc"
 PACKAGE_BUILDS = Path(__file__).parent / "_built"
 SOURCES = ("paged_decode.cpp", "tiles.cpp", "packed_rows.cpp", "layers.cpp", "small_matmul.cpp", "panel_matmul.cpp",
            "int8_matmul.cpp", "layer_bridge.cpp", "stage_append.cpp", "uniform_encode.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp")
+WAIT_S = 600.0
 
 
 def disabled() -> bool:
@@ -68,20 +73,37 @@ def load_compiled() -> bool:
         name = f"kvforge_ops_{build_key()}"
         for directory in (package_dir(), cache_dir()):
             library = directory / f"{name}.so"
-            if library.exists() and not (directory / "lock").exists():  # built before, no build under way
+            if library.exists() and not (directory / TORCH_LOCK).exists():  # built before, no build under way
                 torch.ops.load_library(str(library))
                 return True
         writable = os.access(PACKAGE_BUILDS.parent, os.W_OK)
         directory = package_dir() if writable else cache_dir()
         directory.mkdir(parents=True, exist_ok=True)
-        load(name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
-             extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        with build_lock(directory, _wait_s()) as lock:
+            if not lock.held:
+                log.warning("kvforge ops: another process is still compiling the CPU operators in %s after %.0f s "
+                            "(KVFORGE_OPS_WAIT_S); using the torch reference path", directory, _wait_s())
+                return False
+            library = directory / f"{name}.so"
+            if library.exists() and not lock.interrupted:  # built by the process we waited for
+                torch.ops.load_library(str(library))
+                return True
+            print(f"kvforge: compiling the CPU operators into {directory} (once; about 1-3 minutes, later processes "
+                  "load them; KVFORGE_OPS=torch skips this)", file=sys.stderr, flush=True)
+            load(name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(directory),
+                 extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return True
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:  # no compiler/ninja, failed build
         log.warning("kvforge ops: compiled CPU kernels unavailable (%s: %s); using the torch reference path",
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return False
 
+
+def _wait_s() -> float:
+    try:
+        return float(os.environ.get("KVFORGE_OPS_WAIT_S", WAIT_S))
+    except ValueError:
+        return WAIT_S
 
 
 @functools.cache

@@ -265,8 +265,10 @@ class EngineLoop:
                 self._pending_adds -= len(subs)
 
     def _step(self) -> None:
+        start = time.monotonic()
         try:
             outputs = self.engine.step()
+            self.metrics.observe_step(time.monotonic() - start)
         except Exception as e:  # the engine's own state is in doubt: fail what it holds
             log.exception("engine step raised; failing its %d requests", len(self.engine.requests))
             failure = server_error(f"the engine failed while running this request: {type(e).__name__}: {e}")

@@ -7,6 +7,7 @@ from bisect import bisect_left
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+STEP_BUCKETS = tuple(round(0.001 * 1.5 ** i, 6) for i in range(24))  # 1 ms .. ~11 s, each bound 1.5x the last
 
 # engine.stats() key -> (metric name, type, help)
 ENGINE_GAUGES = [
@@ -16,6 +17,8 @@ ENGINE_GAUGES = [
     ("kv_blocks_cached_idle", "kvforge_kv_blocks_cached_idle", "gauge",
      "KV blocks held only by the prefix cache (evictable)"),
     ("kv_usage", "kvforge_kv_usage_ratio", "gauge", "kv_blocks_used / kv_blocks_total"),
+    ("kv_request_states", "kvforge_kv_request_states", "gauge", "requests the KV cache manager holds state for"),
+    ("prefix_tree_nodes", "kvforge_prefix_tree_nodes", "gauge", "prefix-tree nodes, over every KV group's tree"),
     ("prefix_queried_tokens", "kvforge_prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache"),
     ("prefix_hit_tokens", "kvforge_prefix_cache_hits_total", "counter", "prompt tokens served from the prefix cache"),
     ("preemptions", "kvforge_preemptions_total", "counter", "requests preempted for lack of KV blocks"),
@@ -76,6 +79,9 @@ class ServerMetrics:
         self.itl = Histogram("kvforge_inter_token_latency_seconds", "time between consecutive tokens of a request",
                              ITL_BUCKETS)
         self.e2e = Histogram("kvforge_e2e_request_latency_seconds", "time from arrival to finish", E2E_BUCKETS)
+        self.step = Histogram("kvforge_engine_step_seconds", "duration of one engine step (every running stream "
+                              "waits for it)", STEP_BUCKETS)
+        self.step_max = 0.0
         self.finished: dict[str, int] = {}
         self.prompt_tokens = 0
         self.rejected = 0
@@ -86,6 +92,11 @@ class ServerMetrics:
                 self.ttft.observe(ttft)
             if itl is not None:
                 self.itl.observe(itl)
+
+    def observe_step(self, seconds: float) -> None:
+        with self._lock:
+            self.step.observe(seconds)
+            self.step_max = max(self.step_max, seconds)
 
     def observe_finish(self, reason: str | None, prompt_tokens: int, e2e: float | None) -> None:
         with self._lock:
@@ -116,8 +127,10 @@ class ServerMetrics:
             lines += ["# HELP kvforge_prompt_tokens_total prompt tokens of finished requests",
                       "# TYPE kvforge_prompt_tokens_total counter", f"kvforge_prompt_tokens_total {self.prompt_tokens}",
                       "# HELP kvforge_requests_rejected_total requests refused because the waiting queue was full",
-                      "# TYPE kvforge_requests_rejected_total counter", f"kvforge_requests_rejected_total {self.rejected}"]
-            for h in (self.ttft, self.itl, self.e2e):
+                      "# TYPE kvforge_requests_rejected_total counter", f"kvforge_requests_rejected_total {self.rejected}",
+                      "# HELP kvforge_engine_step_seconds_max longest engine step since the server started",
+                      "# TYPE kvforge_engine_step_seconds_max gauge", f"kvforge_engine_step_seconds_max {self.step_max}"]
+            for h in (self.ttft, self.itl, self.e2e, self.step):
                 lines += h.render()
         return "\n".join(lines) + "\n"
 

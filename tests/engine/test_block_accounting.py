@@ -1,5 +1,5 @@
 """No block leaks: random add / step / abort / preempt workloads (with and without speculative rollback)
-keep every block accounted."""
+keep every block accounted, and a reset leaves no node in any group's prefix tree."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -91,6 +91,7 @@ def run_program(engine: LLMEngine, program) -> None:
         check_accounting(engine)
     engine.kv.reset_prefix_cache()
     assert engine.kv.allocator.num_free == engine.kv.num_blocks
+    assert [tree.num_nodes() for tree in engine.kv.prefix_trees] == [0] * len(engine.kv.prefix_trees)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -172,3 +172,20 @@ def test_hybrid_memory_bench_fits_more_sequences(hybrid):
     assert (r["groups"]["peak_decoding_seqs"], r["full_layers"]["peak_decoding_seqs"]) == (3, 2)
     assert r["full_layers"]["peak_concurrent_seqs"] > 2
     assert r["concurrency_ratio"] == 1.5
+
+
+def test_reset_leaves_no_tree_node_in_any_group(hybrid):
+    """Repeated workloads, each followed by a reset: every group's tree, sliding ones included, ends empty
+    (nodes whose blocks were reclaimed behind the window are dropped, not kept as empty husks)."""
+    _, loaded = hybrid
+    engine = LLMEngine(EngineConfig(kv_cache_memory=40 * 2 * 4 * 2 * 2 * 16 * 4, block_size=4, max_model_len=100,
+                                    max_num_batched_tokens=16, max_num_seqs=4), loaded)
+    for round_ in range(3):
+        for i in range(4):
+            prompt = [(round_ * 31 + i * 7 + j) % 90 + 1 for j in range(30 + 3 * i)]
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.kv.reset_prefix_cache()
+        assert [tree.num_nodes() for tree in engine.kv.prefix_trees] == [0, 0]
+        assert engine.kv.allocator.num_free == engine.kv.num_blocks
