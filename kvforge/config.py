@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass
 
 from kvforge.errors import ConfigError
+from kvforge.kv.tiers.parse import TierSpec, parse_tiers
+from kvforge.units import parse_size
 
 KV_LAYOUTS = ("paged", "contiguous")
 PREEMPTION_MODES = (None, "recompute", "swap")
@@ -31,7 +33,8 @@ class EngineConfig:
     speculative: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 5}; None = off
     device: str | None = None  # None = cuda when available, else cpu
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh randomness every run
-    kv_tiers: list[str] | None = None  # tiers below the pool, lookup order: "host:8GiB", "disk:PATH:100GiB", "redis://HOST:PORT"
+    # tiers below the pool, lookup order: "host:8GiB", "disk:PATH:100GiB", "redis://HOST:PORT"; parsed into TierSpecs
+    kv_tiers: list[str | TierSpec] | None = None
     preemption_mode: str | None = None  # "recompute" | "swap"; None = swap when a KV policy evicts and a host tier exists
     # True: every tier gets a block when it is cached; False: a tier gets what leaves the pool (or the tier above);
     # None: write-through for disk and Redis (other processes reuse blocks at once), write-back for host
@@ -41,8 +44,6 @@ class EngineConfig:
 
     def __post_init__(self):
         if isinstance(self.kv_cache_memory, str):
-            from kvforge.memcalc import parse_size
-
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
         checks = [
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), f"block_size must be a power of two in 1..256, got {self.block_size!r}"),
@@ -74,12 +75,7 @@ class EngineConfig:
         SpeculativeConfig.parse(self.speculative)  # refuse bad options at configuration time
 
     def _check_tiers(self) -> None:
-        from kvforge.kv.tiers.spec import check_tier_spec
-
-        if isinstance(self.kv_tiers, str):
-            self.kv_tiers = [self.kv_tiers]
-        for text in self.kv_tiers or []:
-            check_tier_spec(text)
+        self.kv_tiers = parse_tiers(self.kv_tiers)
         if not isinstance(self.kv_tier_fsync, bool):
             raise ConfigError(f"kv_tier_fsync must be True or False, got {self.kv_tier_fsync!r}")
         if self.kv_tier_write_through is not None and not isinstance(self.kv_tier_write_through, bool):

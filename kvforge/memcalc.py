@@ -4,7 +4,6 @@ Every byte figure comes from kvforge.kv.memory, the formula the engine sizes its
 """
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,21 +26,10 @@ from kvforge.models.gemma_config import GEMMA_ARCHES, gemma_from_gguf
 from kvforge.models.hf_config import is_supported, load_hf_config
 from kvforge.models.packaged import packaged_model_path
 from kvforge.presets import PRESETS, PUBLISHED_DTYPE, get_preset
+from kvforge.units import parse_size  # noqa: F401 - re-exported: callers import it from here
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 WEIGHT_BYTES_PER_PARAM = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "q8_0": 34 / 32,
                           "int4": 0.5, "q4_0": 18 / 32}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from '80GiB', '24GB', '512MiB', '1.5TiB' or plain '1000'."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m and _UNITS.get(m.group(2).lower())
-    if not m or unit is None:
-        units = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
-        raise ConfigError(f"bad size {text!r}; use a number with an optional unit: {units}")
-    return int(float(m.group(1)) * unit)
 
 
 @dataclass

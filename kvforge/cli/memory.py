@@ -5,6 +5,7 @@ import argparse
 import json
 
 from kvforge.errors import ConfigError
+from kvforge.kv.tiers.parse import parse_tiers
 from kvforge.memcalc import WEIGHT_BYTES_PER_PARAM, MemoryReport, memory_report, parse_size, resolve_model
 from kvforge.presets import PRESETS
 
@@ -37,13 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def tier_capacity(tiers: list[str] | None, bytes_per_token: float) -> list[dict]:
     """Tokens each sized tier holds: blocks stay in their stored format (compressed formats hold more tokens)."""
-    from kvforge.kv.tiers.spec import check_tier_spec
-
     out = []
-    for text in tiers or []:
-        check_tier_spec(text)
-        size = None if text.startswith("redis://") else parse_size(text.rpartition(":")[2])
-        out.append({"tier": text, "bytes": size, "tokens": int(size // bytes_per_token) if size else None})
+    for spec in parse_tiers(tiers) or []:
+        size = spec.capacity_bytes
+        out.append({"tier": str(spec), "bytes": size, "tokens": int(size // bytes_per_token) if size else None})
     return out
 
 

@@ -26,8 +26,8 @@ from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.keys import ModelKey
-from kvforge.kv.tiers.persist import CLOSE_TIMEOUT_S, close_tiers
-from kvforge.kv.tiers.setup import attach_tiers
+from kvforge.kv.tiers.persist import CLOSE_TIMEOUT_S
+from kvforge.kv.tiers.setup import build_tier_connector, check_tier_groups
 from kvforge.models.bridged import prepare_bridge
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
@@ -56,6 +56,7 @@ class LLMEngine:
         self.format.validate(self.spec, config.block_size)
         self.layer_windows = cfg.layer_windows()
         self.groups = build_groups(self.layer_windows, config.kv_cache_groups)
+        check_tier_groups(config.kv_tiers, self.groups)
         self.policy = build_policy(config.kv_policy, config.kv_policy_options)
         check_policy_groups(self.policy, self.groups)
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
@@ -72,9 +73,6 @@ class LLMEngine:
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
                                  self.max_model_len, prefix, config.max_num_seqs, self.groups)
-        if config.kv_tiers and len(self.groups) > 1:
-            raise ConfigError(f"kv_tiers support models with one KV group; this model has {len(self.groups)} "
-                              "(full and sliding-window layers); leave kv_tiers unset")
         self.preemption_mode = self._preemption_mode()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    self.preemption_mode)
@@ -88,13 +86,19 @@ class LLMEngine:
             drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
             self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter,
                                                         bridge_rows(self.loaded.model))
-        draft = (self.draft.model, drafter.pool) if self.draft is not None else None  # tiers move its K/V too
-        self.tiers = attach_tiers(self.kv, config.kv_tiers, self._model_key(), self.format, self.spec,
-                                  write_through=config.kv_tier_write_through, fsync=config.kv_tier_fsync,
-                                  device=self.device, draft=draft) if config.kv_tiers else None
+        if config.kv_tiers:
+            draft_pool = drafter.pool if self.draft is not None else None  # tiers move its K/V too
+            self.kv.attach_connector(build_tier_connector(
+                config.kv_tiers, self.groups, self.kv.pool, self._model_key(), self.format,
+                config.kv_tier_write_through, config.kv_tier_fsync, self.device, draft_pool))
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
+
+    @property
+    def tiers(self):
+        """The KV tiers' chain (kvforge.kv.tiers.chain.TierChain) when the connector is the tiers', else None."""
+        return getattr(self.kv.connector, "tiers", None)
 
     def _model_key(self) -> ModelKey:
         """Everything about the model(s) that changes the cached K/V, for the tiers' key namespace."""
@@ -108,7 +112,7 @@ class LLMEngine:
         if mode == "swap" and not tiers:
             raise ConfigError("preemption_mode='swap' needs a KV tier to swap to, e.g. kv_tiers=['host:4GiB']")
         if mode is None:
-            mode = "swap" if self.policy.evicts and any(t.startswith("host:") for t in tiers) else "recompute"
+            mode = "swap" if self.policy.evicts and any(t.kind == "host" for t in tiers) else "recompute"
         return mode
 
     def _num_blocks(self) -> int:
@@ -211,8 +215,7 @@ class LLMEngine:
         """Keep the KV cache for the next process: cached blocks the shared tiers lack (write-back) and queued stores
         are written within `timeout` seconds (what is left is counted and logged), then tier connections close. The
         engine serves nothing after this; a second call does nothing."""
-        if self.tiers is not None and not self.tiers.closed:
-            close_tiers(self.kv, timeout)
+        self.kv.close(timeout)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

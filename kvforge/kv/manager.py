@@ -3,13 +3,15 @@
 A request is anything with `request_id`, `token_ids`, `num_tokens`, `num_computed_tokens` and
 `cache_salt` (the engine's Sequence). The manager reads those and never writes them: the scheduler
 owns `num_computed_tokens`; block tables, prefix locks, evicted counts and policy state live here,
-in one RequestKV per request id.
+in one RequestKV per request id. KV that moves to and from anything else (tiers, swap) goes through
+`self.connector` (kvforge.kv.connector), called at admission, caching, reclaim, free, preemption and close.
 """
 from __future__ import annotations
 
 import torch
 
 from kvforge.kv.blocks import BlockAllocator
+from kvforge.kv.connector import KVConnector
 from kvforge.kv.groups import NULL_BLOCK, KVGroup
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block
@@ -18,13 +20,12 @@ from kvforge.kv.prefix import PrefixTree
 from kvforge.kv.request_kv import RequestKV
 from kvforge.kv.sliding_prefix import SlidingPrefixTree
 from kvforge.kv.spec import KVCacheSpec
-from kvforge.kv.tiers.hooks import TierHooks
-from kvforge.kv.tiers.swap import SwapHooks
+from kvforge.kv.transfers import ConnectorTransfers
 
 _EMPTY = RequestKV()
 
 
-class KVCacheManager(TierHooks, SwapHooks):
+class KVCacheManager:
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
                  max_num_seqs: int = 1, groups: list[KVGroup] | None = None):
@@ -45,6 +46,8 @@ class KVCacheManager(TierHooks, SwapHooks):
         self.prefix_hit_tokens = 0
         self.peak_blocks_used = 0
         self.prefix_short_prompts = 0  # prompts of at most one block: nothing of them can ever be cached
+        self.connector: KVConnector | None = None  # moves blocks to and from tiers (attach_connector)
+        self.transfers = ConnectorTransfers(self)
 
     @property
     def num_blocks(self) -> int:
@@ -93,7 +96,7 @@ class KVCacheManager(TierHooks, SwapHooks):
         compute); returns the tokens it now has computed. A request still holding an earlier match (it was
         held back) re-matches when the tree has grown since."""
         if self.is_swapped(req):
-            return self._swap_in(req)
+            return self.transfers.swap_in(req)
         if self.prefix_tree is None:
             held = self.requests.get(req.request_id)  # a swapped-in request holds its restored tokens
             return held.num_matched if held is not None else req.num_computed_tokens
@@ -115,8 +118,8 @@ class KVCacheManager(TierHooks, SwapHooks):
                 state.block_tables[g].extend([NULL_BLOCK] * skip + match.block_ids[skip:])
                 state.prefix_nodes.append(match.node)
             state.num_matched = num
-        if self.tiers is not None:
-            self._load_from_tiers(req, usable, num)
+        if self.connector is not None:
+            self.transfers.start_load(req, usable, num)
         return num
 
     def _peek(self, tokens, salt) -> int:
@@ -209,8 +212,8 @@ class KVCacheManager(TierHooks, SwapHooks):
             state.prefix_nodes = [None] * len(self.groups)
         for g, (tree, table) in enumerate(zip(self.prefix_trees, state.block_tables)):
             cached, node = tree.insert(tokens, table[:full], salt=req.cache_salt)
-            if g == 0:
-                self._write_through(tokens, req.cache_salt, table[:full], cached)
+            if g == 0 and self.connector is not None:
+                self.connector.on_cached(tokens, req.cache_salt, table[:full], cached)
             tree.lock(node)
             if state.prefix_nodes[g] is not None:
                 tree.unlock(state.prefix_nodes[g])
@@ -243,18 +246,63 @@ class KVCacheManager(TierHooks, SwapHooks):
 
     def free(self, req, cache: bool = True) -> None:
         """Release everything req holds; with `cache`, its computed full blocks stay in the prefix cache first."""
-        self._drop_swapped(req)
+        if self.connector is not None:
+            self.connector.request_finished(req.request_id)
+        self.release(req, cache)
+
+    def release(self, req, cache: bool) -> None:
+        """`free` without telling the connector (it holds what was swapped out)."""
         state = self.requests.pop(req.request_id, None)
         if state is None:
             return
         if cache:
             self._cache_full_blocks(req, state)
-        self._cancel_load(state)
+        self.transfers.cancel(state)
         for tree, node in zip(self.prefix_trees, state.prefix_nodes):
             if node is not None:
                 tree.unlock(node)
         for table in state.block_tables:
             self.allocator.decref([b for b in table if b != NULL_BLOCK])
+
+    # -- KV connector: it moves the bytes, the manager keeps the blocks ---------------------------------
+
+    def attach_connector(self, connector: KVConnector) -> None:
+        self.connector = connector
+        if self.prefix_tree is not None and connector.stores_reclaimed:
+            self.prefix_tree.on_reclaim = self._store_reclaimed
+
+    def _store_reclaimed(self, node) -> None:
+        salt, tokens = self.prefix_tree.path(node)
+        self.connector.on_reclaimed(tokens, salt, node.block_ids)
+
+    # the scheduler's questions: may a request run (loading), swap out / in (kvforge.kv.transfers)
+    def is_loading(self, req) -> bool:
+        return self.transfers.is_loading(req)
+
+    def wait_for_load(self, req, timeout: float) -> None:
+        self.transfers.wait_for_load(req, timeout)
+
+    def finish_load(self, req) -> bool:
+        return self.transfers.finish_load(req)
+
+    def is_swapped(self, req) -> bool:
+        return self.connector is not None and self.connector.is_swapped(req.request_id)
+
+    @property
+    def swapped(self) -> list[str]:
+        """Ids of the requests swapped out."""
+        return self.connector.swapped_requests() if self.connector is not None else []
+
+    def can_swap_in(self, req) -> bool:
+        return self.transfers.can_swap_in(req)
+
+    def swap_out(self, req) -> bool:
+        return self.transfers.swap_out(req)
+
+    def close(self, timeout: float) -> None:
+        """Let the connector keep what a restart should find (e.g. cached blocks written to shared tiers)."""
+        if self.connector is not None:
+            self.connector.close(self.prefix_tree, timeout)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block nobody is using; returns blocks freed."""
@@ -284,6 +332,5 @@ class KVCacheManager(TierHooks, SwapHooks):
             "prefix_reclaimed_blocks": sum(t.reclaimed_blocks for t in trees),
             "prefix_cache_granularity_tokens": self.block_size,
             "prefix_short_prompts": self.prefix_short_prompts,
-            **self.tier_stats(),
-            **(self.swap_stats() if self.tiers is not None else {}),
+            **(self.connector.stats() if self.connector is not None else {}),
         }

@@ -12,7 +12,7 @@ class RequestKV:
     num_matched: int = 0  # tokens adopted from the prefix cache at admission
     num_evicted: int = 0  # computed tokens a KV policy dropped from the cache (full-attention groups)
     policy_state: Any = None  # the KV policy's statistics (kvforge.kv.policies.PolicyState)
-    load: Any = None  # blocks being fetched from KV tiers (kvforge.kv.tiers.hooks.PendingLoad)
+    load: Any = None  # blocks on their way in through the KV connector (kvforge.kv.connector.Transfer)
 
     @property
     def block_table(self) -> list[int]:

@@ -90,7 +90,7 @@ def test_swapped_request_reclaims_idle_prefix_blocks_to_come_back(tiny_loaded):
         if not e.has_unfinished_requests():
             break
         e.step()
-    assert not e.has_unfinished_requests() and e.kv.swapped_in_blocks == 10
+    assert not e.has_unfinished_requests() and e.kv.connector.swap.swapped_in_blocks == 10
 
 
 def test_swap_moves_the_draft_models_kv_too(tiny_loaded, tiny_dir):

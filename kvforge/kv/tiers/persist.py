@@ -16,40 +16,40 @@ CLOSE_TIMEOUT_S = 10.0
 log = logging.getLogger("kvforge.kv.tiers")
 
 
-def close_tiers(kv, timeout: float = CLOSE_TIMEOUT_S) -> dict:
-    """Persist kv's cached blocks, drain the store queue and close the chain, in at most ~`timeout` seconds."""
+def close_tiers(connector, prefix_tree, timeout: float = CLOSE_TIMEOUT_S) -> dict:
+    """Persist the prefix tree's blocks through a TierConnector, drain its store queue and close its chain, in at most
+    ~`timeout` seconds; returns what it wrote and left."""
     start = time.monotonic()
     deadline = start + timeout
-    queued, skipped = persist_cached(kv, deadline)
-    unwritten = kv.tiers.close(max(0.0, deadline - time.monotonic())) + skipped
-    kv.tier_close = {"tier_close_queued_blocks": queued, "tier_close_unwritten_blocks": unwritten}
+    queued, skipped = persist_cached(connector, prefix_tree, deadline)
+    unwritten = connector.tiers.close(max(0.0, deadline - time.monotonic())) + skipped
+    written = {"tier_close_queued_blocks": queued, "tier_close_unwritten_blocks": unwritten}
     seconds = time.monotonic() - start
     if unwritten:
         log.warning("KV tiers: %d blocks were not written within %.1f s at close; the next process recomputes them",
                     unwritten, timeout)
     elif queued:
         log.info("KV tiers: %d cached blocks written at close in %.2f s", queued, seconds)
-    return kv.tier_close
+    return written
 
 
-def persist_cached(kv, deadline: float) -> tuple[int, int]:
+def persist_cached(connector, tree, deadline: float) -> tuple[int, int]:
     """Queue the prefix tree's blocks, then host tiers' entries, for the shared write-back tiers that lack them.
     Returns (blocks queued, blocks left out at the deadline)."""
-    chain = kv.tiers
+    chain = connector.tiers
     targets = [t for t in chain.back_tiers if chain.tiers[t].shared]
     if not targets:
         return 0, 0
     queued = skipped = 0
-    tree = kv.prefix_tree
     for node in tree.nodes() if tree is not None else []:
         if time.monotonic() >= deadline:
             skipped += len(node.block_ids)
             continue
         salt, tokens = tree.path(node)
-        keys = kv.keys.chain(tokens, salt)[-len(node.block_ids):]
+        keys = connector.keys.chain(tokens, salt)[-len(node.block_ids):]
         lacking = _lacking(chain, keys, targets)
         ids = [b for b, lack in zip(node.block_ids, lacking) if lack]
-        items = list(zip([k for k, lack in zip(keys, lacking) if lack], kv.block_io.export_blocks(ids)))
+        items = list(zip([k for k, lack in zip(keys, lacking) if lack], connector.block_io.export_blocks(ids)))
         if chain.store_to(items, targets, push=False):
             queued += len(items)
         else:

@@ -1,95 +1,68 @@
-"""SwapHooks: swap preemption for the KVCacheManager (a mixin beside TierHooks).
+"""SwapSpace: swap preemption into the tier chain, for the TierConnector.
 
 swap_out exports every block of a preempted request (its exact rows, staged or compacted by a KV policy alike)
-to the first tier under private keys and frees them; the request keeps its computed tokens, evicted count and
-policy statistics. At admission, swap-in reserves blocks and fetches them on the load worker, like a tier
-load; the request waits in the loading state and resumes bit-exact. If a block cannot be read back (the tier
-pushed it out and nothing held it), the request starts over by recompute. The private keys are discarded after
-the swap-in (ordered after their store by the chain), and a shared store expires them in case that never happens.
+to the first tier under private keys; the manager then frees them, and the request keeps its computed tokens,
+evicted count and policy statistics (its Resume). At admission, swap-in fetches them on the load worker into
+blocks the manager reserved, like a tier load; the request waits in the loading state and resumes bit-exact. If a
+block cannot be read back (the tier pushed it out and nothing held it), the request starts over by recompute. The
+private keys are discarded after the swap-in (ordered after their store by the chain), and a shared store expires
+them in case that never happens.
 """
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
-from kvforge.kv.memory import blocks_for_tokens
-from kvforge.kv.tiers.hooks import PendingLoad
+from kvforge.kv.connector import BlockIO, Resume, Transfer
+from kvforge.kv.tiers.chain import TierChain
 from kvforge.kv.tiers.keys import BlockKey
 
 
 @dataclass
 class SwappedKV:
     keys: list[BlockKey]
-    num_computed: int
-    num_evicted: int
-    policy_state: Any
+    resume: Resume
 
 
-class SwapHooks:
-    swapped_out_blocks = 0
-    swapped_in_blocks = 0
-    swap_failures = 0
+def private_keys(n: int) -> list[BlockKey]:
+    tag = uuid.uuid4().bytes
+    return [BlockKey(0, bytes(a ^ b for a, b in zip(tag, i.to_bytes(16, "little")))) for i in range(n)]
 
-    @property
-    def swapped(self) -> dict[str, SwappedKV]:
-        if "_swapped" not in self.__dict__:
-            self._swapped = {}
-        return self._swapped
 
-    def is_swapped(self, req) -> bool:
-        return req.request_id in self.swapped
+class SwapSpace:
+    def __init__(self, tiers: TierChain, block_io: BlockIO):
+        self.tiers, self.block_io = tiers, block_io
+        self.swapped: dict[str, SwappedKV] = {}
+        self.swapped_out_blocks = self.swapped_in_blocks = self.swap_failures = 0
 
-    def can_swap_in(self, req) -> bool:
-        """Room for the request's blocks and one more (its next token), idle prefix-cache blocks reclaimed for it;
-        without that a swapped request could wait forever behind blocks nobody uses."""
-        need = min(len(self.swapped[req.request_id].keys) + 1, self.allocator.num_blocks)
-        if not self.allocator.can_allocate(need):
-            self._reclaim(need - self.allocator.num_free)
-        return self.allocator.can_allocate(need)
-
-    def swap_out(self, req) -> bool:
-        """Move req's blocks to the first tier and free them; False when there is nothing to swap to."""
-        state = self.requests.get(req.request_id)
-        if self.tiers is None or state is None or state.load is not None:
+    def swap_out(self, request_id: str, block_ids: list[int], resume: Resume) -> bool:
+        """Store the blocks under private keys; False when the store queue is full (preempt by recompute instead)."""
+        keys = private_keys(len(block_ids))
+        if not self.tiers.store(list(zip(keys, self.block_io.export_blocks(block_ids))), private=True):
             return False
-        table = state.block_table[:blocks_for_tokens(self.cache_len(req), self.block_size)]
-        tag = uuid.uuid4().bytes
-        keys = [BlockKey(0, bytes(a ^ b for a, b in zip(tag, i.to_bytes(16, "little")))) for i in range(len(table))]
-        if not self.tiers.store(list(zip(keys, self.block_io.export_blocks(table))), private=True):
-            return False  # the store queue is full: preempt by recompute instead
-        entry = SwappedKV(keys, req.num_computed_tokens, state.num_evicted, state.policy_state)
-        self.free(req, cache=False)
-        self.swapped[req.request_id] = entry
+        self.swapped[request_id] = SwappedKV(keys, resume)
         self.swapped_out_blocks += len(keys)
         return True
 
-    def _swap_in(self, req) -> int:
-        """Reserve blocks for a swapped request and start fetching them; returns its computed tokens."""
-        entry = self.swapped.pop(req.request_id)
-        ids = self.allocator.allocate(len(entry.keys))
-        state = self._state(req)
-        state.num_evicted, state.policy_state, state.num_matched = entry.num_evicted, entry.policy_state, entry.num_computed
-        state.load = PendingLoad(self.tiers.fetch_all(entry.keys), ids, entry.num_computed, swap=entry.keys)
-        return entry.num_computed
+    def swap_in(self, request_id: str, block_ids: list[int]) -> Transfer:
+        entry = self.swapped.pop(request_id)
+        fetch = self.tiers.fetch_all(entry.keys)
+        return Transfer(fetch, block_ids, entry.resume.num_computed, resume=entry.resume, handle=entry.keys)
 
-    def _finish_swap_in(self, state, load: PendingLoad, payloads: list) -> None:
-        self.tiers.discard(load.swap)
+    def finish_swap_in(self, transfer: Transfer, payloads: list) -> bool:
+        self.tiers.discard(transfer.handle)
         if any(p is None for p in payloads):
             self.swap_failures += 1
-            self.allocator.decref(load.block_ids)
-            state.num_matched = state.num_evicted = 0
-            state.policy_state = None
-            return
-        self.block_io.import_blocks(load.block_ids, payloads)
-        state.block_table.extend(load.block_ids)
-        self.swapped_in_blocks += len(load.block_ids)
+            return False
+        self.block_io.import_blocks(transfer.block_ids, payloads)
+        self.swapped_in_blocks += len(transfer.block_ids)
+        return True
 
-    def _drop_swapped(self, req) -> None:
-        entry = self.swapped.pop(req.request_id, None)
-        if entry is not None and self.tiers is not None:
+    def drop(self, request_id: str) -> None:
+        entry = self.swapped.pop(request_id, None)
+        if entry is not None:
             self.tiers.discard(entry.keys)
 
-    def swap_stats(self) -> dict:
+    def stats(self) -> dict:
         return {"swapped_out_blocks": self.swapped_out_blocks, "swapped_in_blocks": self.swapped_in_blocks,
                 "swap_failures": self.swap_failures, "swapped_requests": len(self.swapped)}

@@ -36,7 +36,7 @@ def reader(loaded, tiers: list[str], **kw) -> tuple[list, int]:
     """(outputs, prompt tokens loaded from the tiers) of a fresh engine asking every document."""
     e = engine(loaded, tiers=tiers, **kw)
     outs = ask_each(e, docs())
-    hits = e.kv.tier_hit_tokens
+    hits = e.kv.connector.hit_tokens
     e.close()
     return outs, hits
 

@@ -1,0 +1,116 @@
+"""ConnectorTransfers: the KVCacheManager's side of what its KV connector moves (kvforge.kv.connector).
+
+The connector moves bytes; this keeps the blocks: a request's transfer in flight lives in its RequestKV (`load`),
+the scheduler keeps the request in `loading` while it is there, and when it has arrived blocks are given (a prefix
+load takes pool blocks then, reclaiming idle ones; a swap-in reserved its blocks when it started), the connector
+imports into them, and a prefix load's blocks enter the prefix tree, where the request re-matches them. A request
+never runs on half-loaded K/V: blocks after the first unreadable one are recomputed, and a swap-in that lost a block
+starts over by recompute.
+"""
+from __future__ import annotations
+
+from kvforge.kv.connector import Resume, Transfer
+from kvforge.kv.memory import blocks_for_tokens
+from kvforge.kv.request_kv import RequestKV
+
+
+class ConnectorTransfers:
+    def __init__(self, kv):
+        self.kv = kv  # the KVCacheManager whose blocks, tables and prefix tree these transfers fill
+
+    def start_load(self, req, usable: int, matched: int) -> None:
+        """After the prefix tree matched `matched` tokens, fetch what the connector holds of the first `usable`."""
+        load = self.kv.connector.start_load(req.token_ids[:usable], req.cache_salt, matched)
+        if load is not None:
+            self.kv._state(req).load = load
+
+    def is_loading(self, req) -> bool:
+        state = self.kv.requests.get(req.request_id)
+        return state is not None and state.load is not None
+
+    def wait_for_load(self, req, timeout: float) -> None:
+        state = self.kv.requests.get(req.request_id)
+        if state is not None and state.load is not None:
+            self.kv.connector.wait(state.load, timeout)
+
+    def finish_load(self, req) -> bool:
+        """Import req's fetched blocks once they are in; False while fetching."""
+        state = self.kv.requests[req.request_id]
+        load = state.load
+        if not self.kv.connector.done(load):
+            return False
+        state.load = None
+        payloads = load.future.result()
+        if load.resume is not None:
+            self._finish_swap_in(state, load, payloads)
+        else:
+            self._finish_prefix_load(req, state, load, payloads)
+        return True
+
+    def _finish_prefix_load(self, req, state: RequestKV, load: Transfer, payloads: list) -> None:
+        kv = self.kv
+        good = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        if good and not kv.allocator.can_allocate(good):
+            kv._reclaim(good - kv.allocator.num_free)
+        good = min(good, kv.allocator.num_free)
+        if not good:
+            return
+        ids = kv.allocator.allocate(good)
+        kv.peak_blocks_used = max(kv.peak_blocks_used, kv.allocator.num_used)
+        kv.connector.finish_load(ids, payloads[:good])
+        state.block_table.extend(ids)
+        state.num_matched = load.matched + good * kv.block_size
+        tree = kv.prefix_tree
+        _, node = tree.insert(req.token_ids[:state.num_matched], state.block_table, salt=req.cache_salt)
+        tree.lock(node)
+        if state.prefix_node is not None:
+            tree.unlock(state.prefix_node)
+        state.prefix_nodes[:1] = [node]  # a connector serves one KV group (kvforge.kv.tiers.setup checks it)
+
+    def cancel(self, state: RequestKV) -> None:
+        if state.load is not None:
+            self.kv.allocator.decref(state.load.block_ids)
+            self.kv.connector.cancel(state.load)
+            state.load = None
+
+    # -- swap -------------------------------------------------------------------------------------------
+
+    def can_swap_in(self, req) -> bool:
+        """Room for the request's blocks and one more (its next token), idle prefix-cache blocks reclaimed for it;
+        without that a swapped request could wait forever behind blocks nobody uses."""
+        kv = self.kv
+        need = min(kv.connector.swapped_blocks(req.request_id) + 1, kv.allocator.num_blocks)
+        if not kv.allocator.can_allocate(need):
+            kv._reclaim(need - kv.allocator.num_free)
+        return kv.allocator.can_allocate(need)
+
+    def swap_out(self, req) -> bool:
+        """Move req's blocks out through the connector and free them; False when there is nothing to swap to."""
+        kv = self.kv
+        state = kv.requests.get(req.request_id)
+        if kv.connector is None or state is None or state.load is not None:
+            return False
+        table = state.block_table[:blocks_for_tokens(kv.cache_len(req), kv.block_size)]
+        resume = Resume(req.num_computed_tokens, state.num_evicted, state.policy_state)
+        if not kv.connector.swap_out(req.request_id, table, resume):
+            return False  # e.g. the store queue is full: preempt by recompute instead
+        kv.release(req, cache=False)
+        return True
+
+    def swap_in(self, req) -> int:
+        """Reserve blocks for a swapped request and start fetching them; returns its computed tokens."""
+        kv = self.kv
+        ids = kv.allocator.allocate(kv.connector.swapped_blocks(req.request_id))
+        load = kv.connector.swap_in(req.request_id, ids)
+        state = kv._state(req)
+        state.num_evicted, state.policy_state = load.resume.num_evicted, load.resume.policy_state
+        state.num_matched, state.load = load.matched, load
+        return load.matched
+
+    def _finish_swap_in(self, state: RequestKV, load: Transfer, payloads: list) -> None:
+        if not self.kv.connector.finish_swap_in(load, payloads):
+            self.kv.allocator.decref(load.block_ids)
+            state.num_matched = state.num_evicted = 0
+            state.policy_state = None
+            return
+        state.block_table.extend(load.block_ids)
