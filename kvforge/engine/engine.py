@@ -88,7 +88,7 @@ class LLMEngine:
         if self.spec_config:
             drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
             self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter,
-                                                        bridge_rows(self.loaded.model))
+                                                        bridge_rows(self.loaded.model), self.kv)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0

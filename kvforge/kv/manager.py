@@ -18,13 +18,14 @@ from kvforge.kv.prefix import PrefixTree
 from kvforge.kv.request_kv import RequestKV
 from kvforge.kv.sliding_prefix import SlidingPrefixTree
 from kvforge.kv.spec import KVCacheSpec
+from kvforge.kv.staging import StagingWindows
 from kvforge.kv.tiers.hooks import TierHooks
 from kvforge.kv.tiers.swap import SwapHooks
 
 _EMPTY = RequestKV()
 
 
-class KVCacheManager(TierHooks, SwapHooks):
+class KVCacheManager(TierHooks, SwapHooks, StagingWindows):
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
                  max_num_seqs: int = 1, groups: list[KVGroup] | None = None):
@@ -33,6 +34,7 @@ class KVCacheManager(TierHooks, SwapHooks):
         self.groups = groups or [KVGroup(tuple(range(spec.num_layers)), None)]
         self.group_of_layer = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
         self.pool = KVPool(spec, fmt, num_blocks, block_size, device, max_num_seqs, self.groups)
+        self.staging_pools = [self.pool]  # pools whose layers follow the requests' fp16 windows (kv/staging.py)
         self.allocator = BlockAllocator(num_blocks)
         self.block_bytes = bytes_per_block(spec, fmt, block_size, self.groups)
         caching = enable_prefix_caching and layout == "paged"
@@ -111,10 +113,9 @@ class KVCacheManager(TierHooks, SwapHooks):
                 match = tree.match_prefix(tokens[:num], salt=req.cache_salt)
                 tree.lock(match.node)
                 skip = group.first_needed_block(num, self.block_size)  # a sliding group adopts only its window
-                self.allocator.incref(match.block_ids[skip:])
-                state.block_tables[g].extend([NULL_BLOCK] * skip + match.block_ids[skip:])
+                state.block_tables[g].extend([NULL_BLOCK] * skip + self._adopt(match.block_ids[skip:]))
                 state.prefix_nodes.append(match.node)
-            state.num_matched = num
+            state.num_matched = state.num_adopted = num
         if self.tiers is not None:
             self._load_from_tiers(req, usable, num)
         return num
@@ -162,17 +163,17 @@ class KVCacheManager(TierHooks, SwapHooks):
             needs = [blocks_for_tokens(self.group_cache_len(req, g) + num_new_tokens, self.block_size)
                      - len(self.block_table(req, g)) for g in range(len(self.groups))]
         need = sum(max(0, n) for n in needs)
-        if need == 0:
-            return True
-        if not self.allocator.can_allocate(need):
+        if need > 0 and not self.allocator.can_allocate(need):
             self._reclaim(need - self.allocator.num_free)
-        if not self.allocator.can_allocate(need):
+        if need > 0 and not self.allocator.can_allocate(need):
             return False
         state = self._state(req)
         for table, n in zip(state.block_tables, needs):
             if n > 0:
                 table.extend(self.allocator.allocate(n))
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
+        starts = [self.group_cache_len(req, g) for g in range(len(self.groups))]
+        self._restage(state, [c + num_new_tokens for c in starts], starts)
         return True
 
     def _free_behind_windows(self, req, state: RequestKV) -> None:
@@ -222,6 +223,7 @@ class KVCacheManager(TierHooks, SwapHooks):
         state = self._state(req)
         for g in self.full_groups:
             self._truncate_table(state.block_tables[g], num_rows)
+        self._restage(state, [num_rows if not group.sliding else req.num_computed_tokens for group in self.groups])
 
     def _truncate_table(self, table: list[int], num_rows: int) -> None:
         kept = blocks_for_tokens(num_rows, self.block_size)
@@ -237,6 +239,7 @@ class KVCacheManager(TierHooks, SwapHooks):
             self._truncate_table(table, length)
             if length % self.block_size:
                 self.pool.forget_rows(table[length // self.block_size], length % self.block_size)
+        self._restage(state, [self.group_cache_len(req, g) for g in range(len(self.groups))])
 
     def record_evicted(self, req, num_tokens: int) -> None:
         self._state(req).num_evicted += num_tokens
@@ -255,6 +258,7 @@ class KVCacheManager(TierHooks, SwapHooks):
                 tree.unlock(node)
         for table in state.block_tables:
             self.allocator.decref([b for b in table if b != NULL_BLOCK])
+        self._unstage_all(state)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block nobody is using; returns blocks freed."""

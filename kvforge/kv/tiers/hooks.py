@@ -91,7 +91,7 @@ class TierHooks:
         ids = load.block_ids[:good]
         self.pool.import_blocks(ids, payloads[:good])
         state.block_table.extend(ids)
-        state.num_matched = load.matched + good * self.block_size
+        state.num_matched = state.num_adopted = load.matched + good * self.block_size
         self.tier_hit_tokens += good * self.block_size
         _, node = self.prefix_tree.insert(req.token_ids[:state.num_matched], state.block_table, salt=req.cache_salt)
         self.prefix_tree.lock(node)

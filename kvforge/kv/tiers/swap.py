@@ -80,8 +80,10 @@ class SwapHooks:
             state.num_matched = state.num_evicted = 0
             state.policy_state = None
             return
-        self.pool.import_blocks(load.block_ids, payloads)
         state.block_table.extend(load.block_ids)
+        cache_len = state.num_matched - state.num_evicted
+        self._restage(state, [cache_len])  # its window as it was, before its staged blocks come in
+        self.pool.import_blocks(load.block_ids, payloads)
         self.swapped_in_blocks += len(load.block_ids)
 
     def _drop_swapped(self, req) -> None:

@@ -1,0 +1,84 @@
+"""StagingWindows: which blocks may hold a staged format's fp16 staging entries (a mixin of KVCacheManager).
+
+Each request keeps the last `stage_blocks` blocks of each KV group's table in fp16 (its window; the block being
+filled is the last). When a block leaves its request's window it is encoded from its fp16 rows (now, or at the
+end of the write that fills it); a freed block drops its entries. Blocks adopted from the prefix cache read as
+codes (`_adopt`), and drafts stay within the block being filled (`draft_room`), so what a request reads depends
+on its own tokens and the cached blocks it adopted, never on other requests or on speculation.
+The pool holds `max_num_seqs` windows per group; more are live only while a swapped-in request waits for a
+running slot, and then a claim takes the oldest entry (see QuantLayerKV).
+"""
+from __future__ import annotations
+
+from kvforge.kv.groups import NULL_BLOCK
+
+
+class StagingWindows:
+    """Needs the manager's pool, allocator, block_size, format, spec and `staging_pools` (pools sharing may_stage)."""
+
+    @property
+    def stage_blocks(self) -> int:
+        return self.format.stage_blocks(self.spec, self.block_size) if self.pool.may_stage is not None else 0
+
+    def draft_room(self, req) -> int | None:
+        """Drafts that fit after req's next token in the block that token falls in, where the format keeps fp16
+        windows (else None): verifying drafts past it would move the window before token-by-token decoding does."""
+        if not self.stage_blocks:
+            return None
+        bs = self.block_size
+        return min(bs - 1 - self.group_cache_len(req, g) % bs for g in range(len(self.groups)))
+
+    def _adopt(self, block_ids: list[int]) -> list[int]:
+        """Cached blocks a request takes over (a reference each), as they will read once their owners move on: a
+        block still in its owner's fp16 window is copied into a new block of the adopter's instead, encoded from
+        those rows as the owner's flush will encode it. (With no free block for the copy the block is shared as it
+        is, and reads fp16 until its owner moves on.)"""
+        mask = self.pool.may_stage
+        live = [b for b in block_ids if mask is not None and bool(mask[b])]
+        if live and not self.allocator.can_allocate(len(live)):
+            self._reclaim(len(live) - self.allocator.num_free)
+        if not live or not self.allocator.can_allocate(len(live)):
+            self.allocator.incref(block_ids)
+            return list(block_ids)
+        copies = dict(zip(live, self.allocator.allocate(len(live))))
+        for pool in self.staging_pools:
+            pool.import_blocks(list(copies.values()), pool.export_blocks(live))
+        self.allocator.incref([b for b in block_ids if b not in copies])
+        return [copies.get(b, b) for b in block_ids]
+
+    def _restage(self, state, ends: list[int], writing: list[int] | None = None) -> None:
+        """state's window once its tables' caches end at `ends` (per group). Blocks leaving it are encoded now
+        unless they are free or written this step (from token `writing` of each group on): their write encodes
+        them once it has filled them."""
+        n = self.stage_blocks
+        if not n:
+            return
+        bs, old = self.block_size, state.staged
+        window: list[int] = []
+        busy: set[int] = set()
+        for g, (table, end) in enumerate(zip(state.block_tables, ends)):
+            if end > 0:
+                start = max((end - 1) // bs - n + 1, state.num_adopted // bs)
+                window += [b for b in table[start:(end - 1) // bs + 1] if b != NULL_BLOCK]
+            if writing is not None:
+                busy.update(table[writing[g] // bs:])
+        if window == old:
+            return
+        state.staged = window
+        mask = self.pool.may_stage
+        if window:
+            mask[window] = True
+        inside = set(window)
+        left = [b for b in old if b not in inside]
+        if not left:
+            return
+        mask[left] = False
+        free = [b for b in left if self.allocator.ref_counts[b] == 0]
+        done = [b for b in left if self.allocator.ref_counts[b] > 0 and b not in busy]
+        for pool in self.staging_pools:
+            pool.forget_blocks(free)
+            pool.unstage(done)
+
+    def _unstage_all(self, state) -> None:
+        """state's request holds no window any more (finished, preempted, swapped out)."""
+        self._restage(state, [0] * len(state.block_tables))

@@ -1,0 +1,96 @@
+"""A quantized cache gives a request the same numerics whatever ran before it or beside it (issue 30, item 2).
+
+Staging entries (the fp16 window of int4 / kivi2 / fp8_e4m3) belong to the request whose window holds the block:
+freed blocks give theirs back, and one request's new block never takes another's entry.
+(a) fresh engine, (b) after unrelated traffic (lengths off the block grid, aborts, finishes mid-block), the same
+batch: bit-identical tokens and logprobs (the same steps run on the same shapes). (c) batched with unrelated
+requests: identical tokens, logprobs within 1e-4 (other rows change the matmul kernels' row counts, so fp32 sums
+round differently; a request's staging never depends on the others).
+Prefix caching is off so that no request reuses another's blocks: reused blocks are another contract.
+"""
+import random
+
+import pytest
+
+from kvforge.config import EngineConfig
+from kvforge.engine.engine import LLMEngine
+from kvforge.sampling_params import SamplingParams
+
+FORMATS = [("int8", {}), ("fp8_e4m3", {}), ("int4", {"group_size": 16}), ("kivi2", {"group_size": 16, "window": 16})]
+MEASURED = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+rng = random.Random(30)
+PROMPTS = [[rng.randrange(3, 96) for _ in range(n)] for n in (21, 37, 13)]
+TRAFFIC = [([rng.randrange(3, 96) for _ in range(n)], m) for n, m in ((5, 3), (19, 14), (44, 9), (8, 29), (30, 2),
+                                                                       (11, 6), (26, 21), (3, 12))]
+
+
+def engine(loaded, fmt, opts):
+    e = LLMEngine(EngineConfig(block_size=8, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=512,
+                               kv_cache_dtype=fmt, kv_cache_options=opts, enable_prefix_caching=False,
+                               kv_cache_memory=1 << 22), loaded)
+    e.runner.detokenize = str  # the tiny model has no tokenizer; logprobs name tokens by id
+    return e
+
+
+def drain(e, measured: list[str], abort_after: dict[str, int], arrive_after: tuple[int, list] = (0, [])) -> list:
+    """Step until done, aborting requests after their step count and adding `arrive_after[1]` (prompt, max_tokens)
+    requests after `arrive_after[0]` steps; every block comes back."""
+    done, steps = {}, 0
+    while e.has_unfinished_requests():
+        done.update({o.request_id: o for o in e.step() if o.finished})
+        steps += 1
+        for rid in [rid for rid, at in abort_after.items() if at == steps]:
+            e.abort(rid)
+        if steps == arrive_after[0]:
+            abort_after.update(traffic(e, *arrive_after[1], start=steps))
+    assert e.kv.allocator.num_used == 0 and not e.kv.requests
+    return [done[i] for i in measured]
+
+
+def traffic(e, first: int, count: int, start: int = 0) -> dict[str, int]:
+    """Unrelated requests (prompt lengths and ends off the block grid); every third one is aborted a few steps in:
+    returns {request id: step to abort after}."""
+    aborts = {}
+    for j in range(first, first + count):
+        prompt, max_tokens = TRAFFIC[j % len(TRAFFIC)]
+        rid = e.add_request([(t + j) % 96 for t in prompt], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                           ignore_eos=True))
+        if j % 3 == 2:
+            aborts[rid] = start + 2 + j % 4
+    return aborts
+
+
+def measure(e) -> list:
+    return drain(e, [e.add_request(p, MEASURED) for p in PROMPTS], {})
+
+
+def logprobs(out) -> list[float]:
+    """The chosen token's and the top alternatives' logprobs at every step."""
+    return [x for d in out.logprobs for x in [d["logprob"]] + [t["logprob"] for t in d["top"]]]
+
+
+@pytest.mark.parametrize("fmt,opts", FORMATS, ids=[f for f, _ in FORMATS])
+def test_same_numerics_after_unrelated_traffic(tiny_loaded, fmt, opts):
+    fresh = measure(engine(tiny_loaded, fmt, opts))
+    e = engine(tiny_loaded, fmt, opts)
+    for first in (0, 8, 16):  # three rounds, each more requests than max_num_seqs
+        drain(e, [], traffic(e, first, 8))
+    after = measure(e)
+    for a, b in zip(fresh, after):
+        assert a.finish_reason == b.finish_reason == "length"
+        assert a.token_ids == b.token_ids
+        assert logprobs(a) == logprobs(b)  # bit for bit: the same batch ran on the same shapes
+
+
+@pytest.mark.parametrize("fmt,opts", FORMATS, ids=[f for f, _ in FORMATS])
+def test_same_numerics_batched_with_unrelated_requests(tiny_loaded, fmt, opts):
+    fresh = measure(engine(tiny_loaded, fmt, opts))
+    e = engine(tiny_loaded, fmt, opts)
+    aborts = traffic(e, 0, 2)
+    measured = [e.add_request(p, MEASURED) for p in PROMPTS]
+    aborts.update(traffic(e, 2, 6))
+    outs = drain(e, measured, aborts, arrive_after=(7, [8, 6]))  # more arrive while the measured ones decode
+    for a, b in zip(fresh, outs):
+        assert a.finish_reason == b.finish_reason == "length"
+        assert a.token_ids == b.token_ids
+        assert logprobs(a) == pytest.approx(logprobs(b), abs=1e-4)
