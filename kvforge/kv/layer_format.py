@@ -46,6 +46,7 @@ class LayerKV(ABC):
     """One layer's physical block storage in some format."""
 
     may_stage: torch.Tensor | None = None  # bool per block: lies in some request's fp16 window (formats that stage)
+    sink_pins: torch.Tensor | None = None  # int per block: running requests whose first block it is (exact sinks)
 
     @abstractmethod
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,

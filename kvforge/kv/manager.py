@@ -174,6 +174,7 @@ class KVCacheManager(TierHooks, SwapHooks, StagingWindows):
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
         starts = [self.group_cache_len(req, g) for g in range(len(self.groups))]
         self._restage(state, [c + num_new_tokens for c in starts], starts)
+        self._repin(state)
         return True
 
     def _free_behind_windows(self, req, state: RequestKV) -> None:

@@ -80,5 +80,19 @@ class StagingWindows:
             pool.unstage(done)
 
     def _unstage_all(self, state) -> None:
-        """state's request holds no window any more (finished, preempted, swapped out)."""
+        """state's request holds no window and no sink pin any more (finished, preempted, swapped out)."""
         self._restage(state, [0] * len(state.block_tables))
+        self._repin(state, released=True)
+
+    def _repin(self, state, released: bool = False) -> None:
+        """Pin the first block of each of state's tables (a running request's sink rows are never claimed away)."""
+        pins = self.pool.sink_pins
+        if pins is None:
+            return
+        now = [] if released else [t[0] for t in state.block_tables if t and t[0] != NULL_BLOCK]
+        if now != state.pinned:
+            if state.pinned:
+                pins[state.pinned] -= 1
+            if now:
+                pins[now] += 1
+            state.pinned = now

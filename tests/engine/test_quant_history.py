@@ -24,15 +24,16 @@ TRAFFIC = [([rng.randrange(3, 96) for _ in range(n)], m) for n, m in ((5, 3), (1
                                                                        (11, 6), (26, 21), (3, 12))]
 
 
-def engine(loaded, fmt, opts):
-    e = LLMEngine(EngineConfig(block_size=8, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=512,
-                               kv_cache_dtype=fmt, kv_cache_options=opts, enable_prefix_caching=False,
-                               kv_cache_memory=1 << 22), loaded)
+def engine(loaded, fmt, opts, **kw):
+    options = {"block_size": 8, "max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 512,
+               "enable_prefix_caching": False, "kv_cache_memory": 1 << 22, **kw}
+    e = LLMEngine(EngineConfig(kv_cache_dtype=fmt, kv_cache_options=opts, **options), loaded)
     e.runner.detokenize = str  # the tiny model has no tokenizer; logprobs name tokens by id
     return e
 
 
-def drain(e, measured: list[str], abort_after: dict[str, int], arrive_after: tuple[int, list] = (0, [])) -> list:
+def drain(e, measured: list[str], abort_after: dict[str, int], arrive_after: tuple[int, list] = (0, []),
+          cached: bool = False) -> list:
     """Step until done, aborting requests after their step count and adding `arrive_after[1]` (prompt, max_tokens)
     requests after `arrive_after[0]` steps; every block comes back."""
     done, steps = {}, 0
@@ -43,7 +44,8 @@ def drain(e, measured: list[str], abort_after: dict[str, int], arrive_after: tup
             e.abort(rid)
         if steps == arrive_after[0]:
             abort_after.update(traffic(e, *arrive_after[1], start=steps))
-    assert e.kv.allocator.num_used == 0 and not e.kv.requests
+    assert not e.kv.requests
+    assert e.kv.allocator.num_used == (e.kv.prefix_tree.cached_blocks if cached else 0)
     return [done[i] for i in measured]
 
 
@@ -94,3 +96,19 @@ def test_same_numerics_batched_with_unrelated_requests(tiny_loaded, fmt, opts):
         assert a.finish_reason == b.finish_reason == "length"
         assert a.token_ids == b.token_ids
         assert logprobs(a) == pytest.approx(logprobs(b), abs=1e-4)
+
+
+def test_running_request_keeps_its_sink_rows_beside_cached_traffic(tiny_loaded):
+    """int4 keeps a sequence's first 4 positions exact in a sink entry (2 per sequence); with prefix caching on, the
+    first blocks of finished requests stay cached with theirs, and a new request's claim must take one of those,
+    never the entry of a request still running."""
+    opts = {"group_size": 16}
+    alone = engine(tiny_loaded, "int4", opts, max_num_seqs=2, enable_prefix_caching=True)
+    fresh = drain(alone, [alone.add_request(PROMPTS[1], MEASURED)], {}, cached=True)
+    e = engine(tiny_loaded, "int4", opts, max_num_seqs=2, enable_prefix_caching=True)
+    measured = [e.add_request(PROMPTS[1], MEASURED)]
+    for j in range(12):  # one at a time beside it, each with its own first block
+        e.add_request([(t + 7 * j) % 96 for t in TRAFFIC[j % 8][0]] + [j], SamplingParams(temperature=0, max_tokens=2))
+    out = drain(e, measured, {}, cached=True)
+    assert out[0].token_ids == fresh[0].token_ids
+    assert logprobs(out[0]) == pytest.approx(logprobs(fresh[0]), abs=1e-4)

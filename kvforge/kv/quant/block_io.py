@@ -111,7 +111,7 @@ class QuantBlockIO:
 
     def _import_sinks(self, ids: torch.Tensor, payloads) -> None:
         rows = self._read_rows(self._sink_table(payloads), 0, self.sink_rows)
-        claim = self.sink.claim(ids)
+        claim = self._claim_sinks(ids)
         self._unsink(claim.victim_blocks, [s[claim.victim_entries] for s in self.sink_rows])
         for s, r in zip(self.sink_rows, rows):
             s[claim.entries] = r[claim.taken]

@@ -10,7 +10,8 @@ window first, then the oldest full block, then the oldest partial one, flushing 
 entry are merged by decode -> insert rows -> encode.
 Sinks: rows with position < sinks are also copied into an fp16 sink entry of their block (claimed
 when position 0 is written); they override the decoded rows and are left out of the block's
-quantization ranges. A block written at offset 0 drops its old entries.
+quantization ranges. A claim takes free entries, then the oldest of blocks that no running request starts
+with (`sink_pins`), e.g. cached first blocks. A block written at offset 0 drops its old entries.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
                           for hd in self.shapes] if sinks else []
         self.direct = self.stage is None and all(c.per_token for c in codecs if c is not None)
         self.may_stage: torch.Tensor | None = None  # bool per block, shared with the pool; None: every block may
+        self.sink_pins: torch.Tensor | None = None  # int per block, shared with the pool; None: no block is pinned
         k, v = codecs
         self.same_codec = len(self.shapes) == 2 and self.shapes[0] == self.shapes[1] and \
             type(k) is type(v) and vars(k) == vars(v)
@@ -192,12 +194,19 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
                      rows: list[torch.Tensor]) -> None:
         firsts = blocks[(positions == 0) & (offs == 0)]
         if len(firsts):
-            claim = self.sink.claim(firsts)
+            claim = self._claim_sinks(firsts)
             self._unsink(claim.victim_blocks, [s[claim.victim_entries] for s in self.sink_rows])
         e = self.sink.lookup(blocks)
         keep = (positions < self.sinks) & (offs < self.sinks) & (e >= 0)
         for s, x in zip(self.sink_rows, rows):
             s[e[keep], offs[keep]] = x[keep].to(EXACT_DTYPE)
+
+    def _claim_sinks(self, blocks: torch.Tensor) -> Claim:
+        """Sink entries for blocks: free ones, then the oldest of blocks no running request starts with."""
+        pinned = None
+        if self.sink_pins is not None:
+            pinned = (self.sink_pins[self.sink.block_of.long().clamp_min(0)] > 0).long() * WINDOW_BIAS
+        return self.sink.claim(blocks, pinned)
 
     def _unsink(self, blocks: torch.Tensor, exact: list[torch.Tensor]) -> None:
         """Blocks that lost their sink entry get those rows back into their ordinary storage."""
