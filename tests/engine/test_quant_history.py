@@ -112,3 +112,22 @@ def test_running_request_keeps_its_sink_rows_beside_cached_traffic(tiny_loaded):
     out = drain(e, measured, {}, cached=True)
     assert out[0].token_ids == fresh[0].token_ids
     assert logprobs(out[0]) == pytest.approx(logprobs(fresh[0]), abs=1e-4)
+
+
+@pytest.mark.parametrize("fmt,opts", FORMATS[1:], ids=[f for f, _ in FORMATS[1:]])
+def test_adopted_prefix_reads_the_same_whether_its_owner_runs_or_not(tiny_loaded, fmt, opts):
+    """A cached block reads as its codes: Y adopts X's first 3 blocks (X's fp16 window when X still runs: Y gets
+    copies encoded as X's flush will encode them) after X finished and traffic ran, or while X runs."""
+    shared = PROMPTS[1][:24]
+    x, y = shared + [5, 6, 7, 8], shared + [9, 10, 11, 12, 13]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    late = engine(tiny_loaded, fmt, opts, enable_prefix_caching=True)
+    drain(late, [late.add_request(x, params)], {}, cached=True)
+    drain(late, [], traffic(late, 0, 8), cached=True)
+    after = drain(late, [late.add_request(y, MEASURED)], {}, cached=True)[0]
+    beside = engine(tiny_loaded, fmt, opts, enable_prefix_caching=True)
+    ids = [beside.add_request(x, params), beside.add_request(y, MEASURED)]
+    during = drain(beside, ids, {}, cached=True)[1]
+    assert after.metrics.cached_tokens == during.metrics.cached_tokens == 24
+    assert after.token_ids == during.token_ids
+    assert logprobs(after) == pytest.approx(logprobs(during), abs=1e-4)
