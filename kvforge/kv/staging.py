@@ -28,6 +28,22 @@ class StagingWindows:
         bs = self.block_size
         return min(bs - 1 - self.group_cache_len(req, g) % bs for g in range(len(self.groups)))
 
+    def stage_for_compaction(self, req, num_rows: int) -> None:
+        """Before a KV policy moves req's kept rows to its first `num_rows` slots: the blocks of its window after the
+        move may stage as well (rows landing there stay fp16); `truncate` then lets the old window go."""
+        state = self.requests.get(req.request_id)
+        n, bs = self.stage_blocks, self.block_size
+        if state is None or not n or num_rows <= 0:
+            return
+        extra = []
+        for g in self.full_groups:
+            start = max((num_rows - 1) // bs - n + 1, state.num_adopted // bs)
+            extra += [b for b in state.block_tables[g][start:(num_rows - 1) // bs + 1]
+                      if b != NULL_BLOCK and b not in state.staged]
+        if extra:
+            self.pool.may_stage[extra] = True
+            state.staged = state.staged + extra
+
     def _adopt(self, block_ids: list[int]) -> list[int]:
         """Cached blocks a request takes over (a reference each), as they will read once their owners move on: a
         block still in its owner's fp16 window is copied into a new block of the adopter's instead, encoded from

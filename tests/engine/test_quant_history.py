@@ -11,6 +11,7 @@ Prefix caching is off so that no request reuses another's blocks: reused blocks 
 import random
 
 import pytest
+import torch
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
@@ -131,3 +132,21 @@ def test_adopted_prefix_reads_the_same_whether_its_owner_runs_or_not(tiny_loaded
     assert after.metrics.cached_tokens == during.metrics.cached_tokens == 24
     assert after.token_ids == during.token_ids
     assert logprobs(after) == pytest.approx(logprobs(during), abs=1e-4)
+
+
+def test_compacted_request_keeps_filling_a_staged_block(tiny_loaded):
+    """After a KV policy compacts a sequence, the block it goes on filling holds a staging entry in every layer (else
+    each decode step would decode and re-encode that block's per-channel keys)."""
+    e = engine(tiny_loaded, "kivi2", {"group_size": 16, "window": 8}, kv_policy="streaming",
+               kv_policy_options={"budget": 21, "sinks": 4, "slack": 4})
+    rid = e.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    checked = 0
+    while e.has_unfinished_requests():
+        e.step()
+        seq, state = e.requests.get(rid), e.kv.requests.get(rid)
+        if state is not None and seq is not None:
+            rows = e.kv.cache_len(seq)
+            last = torch.tensor([state.block_table[(rows - 1) // 8]])
+            assert all(int(layer.stage.lookup(last)[0]) >= 0 for layer in e.kv.pool.slots)
+            checked += rows % 8 != 0
+    assert e.stats()["kv_compactions"] > 0 and checked > 10
