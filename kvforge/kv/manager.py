@@ -109,9 +109,10 @@ class KVCacheManager(TierHooks, SwapHooks, StagingWindows):
         num = self._peek(tokens, req.cache_salt)
         if num:
             state = self._state(req)
-            for g, (group, tree) in enumerate(zip(self.groups, self.prefix_trees)):
-                match = tree.match_prefix(tokens[:num], salt=req.cache_salt)
-                tree.lock(match.node)
+            matches = [tree.match_prefix(tokens[:num], salt=req.cache_salt) for tree in self.prefix_trees]
+            for tree, match in zip(self.prefix_trees, matches):
+                tree.lock(match.node)  # all before adopting: a copy's allocation may reclaim unlocked blocks
+            for g, (group, match) in enumerate(zip(self.groups, matches)):
                 skip = group.first_needed_block(num, self.block_size)  # a sliding group adopts only its window
                 state.block_tables[g].extend([NULL_BLOCK] * skip + self._adopt(match.block_ids[skip:]))
                 state.prefix_nodes.append(match.node)

@@ -26,7 +26,7 @@ def run(e, prompts: list[list[int]], params: list[SamplingParams], abort_after: 
         for i in [i for i, at in abort_after.items() if at == steps]:
             e.abort(ids[i])
     assert not e.kv.requests
-    return [done[i] for i in ids]
+    return [done.get(i) for i in ids]  # aborted requests may end without an output
 
 
 def test_kivi2_documents_same_after_unrelated_traffic(smol_loaded):
