@@ -13,6 +13,7 @@ class RequestKV:
     num_adopted: int = 0  # of those, tokens in blocks shared with others (never in this request's fp16 window)
     staged: list[int] = field(default_factory=list)  # blocks in this request's fp16 window (kvforge.kv.staging)
     pinned: list[int] = field(default_factory=list)  # its first block per group, whose exact sink rows stay
+    parked: bool = False  # holds `staged` but does not run: may_stage is off for them (StagingWindows.park)
     num_evicted: int = 0  # computed tokens a KV policy dropped from the cache (full-attention groups)
     policy_state: Any = None  # the KV policy's statistics (kvforge.kv.policies.PolicyState)
     load: Any = None  # blocks being fetched from KV tiers (kvforge.kv.tiers.hooks.PendingLoad)

@@ -5,8 +5,9 @@ filled is the last). When a block leaves its request's window it is encoded from
 end of the write that fills it); a freed block drops its entries. Blocks adopted from the prefix cache read as
 codes (`_adopt`), and drafts stay within the block being filled (`draft_room`), so what a request reads depends
 on its own tokens and the cached blocks it adopted, never on other requests or on speculation.
-The pool holds `max_num_seqs` windows per group; more are live only while a swapped-in request waits for a
-running slot, and then a claim takes the oldest entry (see QuantLayerKV).
+The pool holds `max_num_seqs` windows per group, and only running requests hold one (a swapped-in request
+waiting for a slot is parked, a compacting one parks its old window), so a claim never needs an entry of a
+block in a window: it takes a free one or one of a block outside every window (encoding that block).
 """
 from __future__ import annotations
 
@@ -30,19 +31,29 @@ class StagingWindows:
 
     def stage_for_compaction(self, req, num_rows: int) -> None:
         """Before a KV policy moves req's kept rows to its first `num_rows` slots: the blocks of its window after the
-        move may stage as well (rows landing there stay fp16); `truncate` then lets the old window go."""
+        move stage (rows landing there stay fp16); the old window's other blocks keep their entries to be read from
+        but give them up first to a claim, and `truncate` then lets them go."""
         state = self.requests.get(req.request_id)
         n, bs = self.stage_blocks, self.block_size
         if state is None or not n or num_rows <= 0:
             return
-        extra = []
+        window = []
         for g in self.full_groups:
             start = max((num_rows - 1) // bs - n + 1, state.num_adopted // bs)
-            extra += [b for b in state.block_tables[g][start:(num_rows - 1) // bs + 1]
-                      if b != NULL_BLOCK and b not in state.staged]
-        if extra:
-            self.pool.may_stage[extra] = True
-            state.staged = state.staged + extra
+            window += [b for b in state.block_tables[g][start:(num_rows - 1) // bs + 1] if b != NULL_BLOCK]
+        old = [b for b in state.staged if b not in set(window)]
+        if old:
+            self.pool.may_stage[old] = False
+        if window:
+            self.pool.may_stage[window] = True
+        state.staged = old + [b for b in window if b not in set(old)]
+
+    def park(self, state) -> None:
+        """state's request holds its blocks but does not run (swapped in, waiting for a slot): its staged blocks
+        keep their rows but give their entries up first to a running request's claim (and are encoded then)."""
+        if state.staged:
+            self.pool.may_stage[state.staged] = False
+            state.parked = True
 
     def _adopt(self, block_ids: list[int]) -> list[int]:
         """Cached blocks a request takes over (a reference each), as they will read once their owners move on: a
@@ -78,9 +89,9 @@ class StagingWindows:
                 window += [b for b in table[start:(end - 1) // bs + 1] if b != NULL_BLOCK]
             if writing is not None:
                 busy.update(table[writing[g] // bs:])
-        if window == old:
+        if window == old and not state.parked:
             return
-        state.staged = window
+        state.staged, state.parked = window, False
         mask = self.pool.may_stage
         if window:
             mask[window] = True

@@ -41,6 +41,7 @@ def drain(e, measured: list[str], abort_after: dict[str, int], arrive_after: tup
     while e.has_unfinished_requests():
         done.update({o.request_id: o for o in e.step() if o.finished})
         steps += 1
+        assert_windows_staged(e)
         for rid in [rid for rid, at in abort_after.items() if at == steps]:
             e.abort(rid)
         if steps == arrive_after[0]:
@@ -48,6 +49,14 @@ def drain(e, measured: list[str], abort_after: dict[str, int], arrive_after: tup
     assert not e.kv.requests
     assert e.kv.allocator.num_used == (e.kv.prefix_tree.cached_blocks if cached else 0)
     return [done[i] for i in measured]
+
+
+def assert_windows_staged(e) -> None:
+    """Every block of a running request's fp16 window holds a staging entry in every layer: none was taken away."""
+    for state in e.kv.requests.values():
+        window = getattr(state, "staged", [])
+        if window and not state.parked:
+            assert all(bool((layer.stage.lookup(torch.tensor(window)) >= 0).all()) for layer in e.kv.pool.slots)
 
 
 def traffic(e, first: int, count: int, start: int = 0) -> dict[str, int]:

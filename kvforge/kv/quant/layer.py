@@ -4,9 +4,9 @@ Staging (used when a codec needs a whole block, e.g. per-channel keys, or a resi
 a block written at offset 0 is new; when `may_stage` (set by the pool, kept by the KV manager: the blocks of
 each request's own window) lets it, it claims a staging entry and its rows stay fp16 there. A staged block that
 leaves every window is flushed: encoded from its fp16 rows (`unstage`, or at the end of the write that filled it);
-freed blocks drop their entries (`forget_blocks`). So a block's numerics follow its own request only. Only when
-entries run out anyway (more live windows than sized for) does a claim take one from another block (outside any
-window first, then the oldest full block, then the oldest partial one, flushing it). Rows of a block without an
+freed blocks drop their entries (`forget_blocks`). So a block's numerics follow its own request only. A claim
+takes a free entry, else one of a block outside every window (flushing it); only without a pool's manager, or if
+windows outnumbered entries, the oldest full block's, then the oldest partial one's. Rows of a block without an
 entry are merged by decode -> insert rows -> encode.
 Sinks: rows with position < sinks are also copied into an fp16 sink entry of their block (claimed
 when position 0 is written); they override the decoded rows and are left out of the block's
@@ -95,21 +95,30 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
         if self.direct:
             self._store_direct(blocks * self.bs + offs, rows)
             return
-        if self.stage is not None:
-            self.stage.release(new)
-            self._claim_stage(self._windowed(new))
-            e = self.stage.lookup(blocks)
-            staged = e >= 0
-            if bool(staged.all()):  # e.g. a decode step's rows, some starting new blocks
-                self._put_staged(e, offs, rows)
-            else:
-                self._put_staged(e[staged], offs[staged], [x[staged] for x in rows])
-                rest = ~staged
-                self._merge(blocks[rest], offs[rest], [x[rest] for x in rows], new)
-            self._flush_outside_windows(blocks)
-            return
+        if self.stage is not None:  # rows of staged blocks first: a block they fill outside every window frees its
+            self.stage.release(new)  # entry before the new blocks claim theirs
+            blocks, offs, rows = self._put_into_entries(blocks, offs, rows)
+            if len(blocks):
+                self._claim_stage(self._windowed(new))
+                blocks, offs, rows = self._put_into_entries(blocks, offs, rows)
         if len(blocks):
             self._merge(blocks, offs, rows, new)
+
+    def _put_into_entries(self, blocks: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Rows of blocks holding staging entries go there (a block outside every window is then encoded);
+        returns the other rows."""
+        e = self.stage.lookup(blocks)
+        staged = e >= 0
+        if bool(staged.all()):  # e.g. a decode step's rows
+            self._put_staged(e, offs, rows)
+            self._flush_outside_windows(blocks)
+            return blocks[:0], offs[:0], [x[:0] for x in rows]
+        if bool(staged.any()):
+            self._put_staged(e[staged], offs[staged], [x[staged] for x in rows])
+            self._flush_outside_windows(blocks[staged])
+        rest = ~staged
+        return blocks[rest], offs[rest], [x[rest] for x in rows]
 
     def _windowed(self, blocks: torch.Tensor) -> torch.Tensor:
         return blocks if self.may_stage is None else blocks[self.may_stage[blocks]]

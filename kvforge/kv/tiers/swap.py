@@ -84,6 +84,7 @@ class SwapHooks:
         cache_len = state.num_matched - state.num_evicted
         self._restage(state, [cache_len])  # its window as it was, before its staged blocks come in
         self.pool.import_blocks(load.block_ids, payloads)
+        self.park(state)  # until it runs again: a running request's claim may take these entries first
         self.swapped_in_blocks += len(load.block_ids)
 
     def _drop_swapped(self, req) -> None:
