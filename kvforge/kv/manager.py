@@ -152,9 +152,10 @@ class KVCacheManager(TierHooks, SwapHooks, StagingWindows):
 
     # -- blocks ---------------------------------------------------------------------------------
 
-    def allocate_slots(self, req, num_new_tokens: int) -> bool:
+    def allocate_slots(self, req, num_new_tokens: int, prompt_window: bool = True) -> bool:
         """Make room for num_new_tokens more tokens of req in every group; False when the cache is full.
-        Sliding groups first give back the blocks wholly behind their window."""
+        Sliding groups first give back the blocks wholly behind their window. A staged format's fp16 window is
+        counted from the end of req's known tokens (`prompt_window`) or from the end of these new ones."""
         state = self.requests.get(req.request_id)
         if self.layout == "contiguous" and (state is None or not state.block_table):
             needs = [blocks_for_tokens(self.max_model_len, self.block_size)] * len(self.groups)
@@ -174,7 +175,8 @@ class KVCacheManager(TierHooks, SwapHooks, StagingWindows):
                 table.extend(self.allocator.allocate(n))
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
         starts = [self.group_cache_len(req, g) for g in range(len(self.groups))]
-        self._restage(state, [c + num_new_tokens for c in starts], starts)
+        known = req.num_tokens - req.num_computed_tokens if prompt_window else num_new_tokens
+        self._restage(state, [c + num_new_tokens for c in starts], starts, [c + known for c in starts])
         self._repin(state)
         return True
 

@@ -21,6 +21,14 @@ class StagingWindows:
     def stage_blocks(self) -> int:
         return self.format.stage_blocks(self.spec, self.block_size) if self.pool.may_stage is not None else 0
 
+    def align_chunk(self, req, n: int) -> int:
+        """Where the format stages, a prefill chunk of up to n tokens that leaves some of req's tokens for later
+        ends on a block boundary (0: none is in reach): with windows counted from the prompt's end, the prompt then
+        reads the same wherever the step's token budget cuts it."""
+        if not self.stage_blocks or n >= req.num_tokens - req.num_computed_tokens:
+            return n
+        return max(0, n - (self.cache_len(req) + n) % self.block_size)
+
     def draft_room(self, req) -> int | None:
         """Drafts that fit after req's next token in the block that token falls in, where the format keeps fp16
         windows (else None): verifying drafts past it would move the window before token-by-token decoding does."""
@@ -73,10 +81,12 @@ class StagingWindows:
         self.allocator.incref([b for b in block_ids if b not in copies])
         return [copies.get(b, b) for b in block_ids]
 
-    def _restage(self, state, ends: list[int], writing: list[int] | None = None) -> None:
-        """state's window once its tables' caches end at `ends` (per group). Blocks leaving it are encoded now
-        unless they are free or written this step (from token `writing` of each group on): their write encodes
-        them once it has filled them."""
+    def _restage(self, state, ends: list[int], writing: list[int] | None = None,
+                 finals: list[int] | None = None) -> None:
+        """state's window once its tables' caches end at `ends` (per group), counted back from `finals` (where the
+        tokens it knows end: a prompt's end while it is prefilled in chunks; default `ends`), plus the block being
+        filled. Blocks leaving it are encoded now unless they are free or written this step (from token `writing`
+        of each group on): their write encodes them once it has filled them."""
         n = self.stage_blocks
         if not n:
             return
@@ -85,8 +95,10 @@ class StagingWindows:
         busy: set[int] = set()
         for g, (table, end) in enumerate(zip(state.block_tables, ends)):
             if end > 0:
-                start = max((end - 1) // bs - n + 1, state.num_adopted // bs)
-                window += [b for b in table[start:(end - 1) // bs + 1] if b != NULL_BLOCK]
+                last = (end - 1) // bs
+                start = max(((finals[g] if finals else end) - 1) // bs - n + 1, state.num_adopted // bs)
+                start = min(start, last) if end % bs else start  # a block being filled always stages
+                window += [b for b in table[start:last + 1] if b != NULL_BLOCK]
             if writing is not None:
                 busy.update(table[writing[g] // bs:])
         if window == old and not state.parked:

@@ -108,6 +108,20 @@ def test_same_numerics_batched_with_unrelated_requests(tiny_loaded, fmt, opts):
         assert logprobs(a) == pytest.approx(logprobs(b), abs=1e-4)
 
 
+@pytest.mark.parametrize("fmt,opts", FORMATS, ids=[f for f, _ in FORMATS])
+def test_same_numerics_when_the_budget_cuts_prompts_into_chunks(tiny_loaded, fmt, opts):
+    """A prompt cut into prefill chunks where the token budget left beside other requests ends reads as in one
+    chunk: chunks end on block boundaries and the fp16 window counts from the prompt's end."""
+    whole = measure(engine(tiny_loaded, fmt, opts))
+    e = engine(tiny_loaded, fmt, opts, max_num_batched_tokens=13)  # prompts of 21 and 37 tokens: chunks
+    aborts = traffic(e, 0, 3)
+    outs = drain(e, [e.add_request(p, MEASURED) for p in PROMPTS], aborts)
+    for a, b in zip(whole, outs):
+        assert a.finish_reason == b.finish_reason == "length"
+        assert a.token_ids == b.token_ids
+        assert logprobs(a) == pytest.approx(logprobs(b), abs=1e-4)
+
+
 def test_running_request_keeps_its_sink_rows_beside_cached_traffic(tiny_loaded):
     """int4 keeps a sequence's first 4 positions exact in a sink entry (2 per sequence); with prefix caching on, the
     first blocks of finished requests stay cached with theirs, and a new request's claim must take one of those,
