@@ -1,10 +1,11 @@
 """StagingWindows: which blocks may hold a staged format's fp16 staging entries (a mixin of KVCacheManager).
 
-Each request keeps the last `stage_blocks` blocks of each KV group's table in fp16 (its window; the block being
-filled is the last). When a block leaves its request's window it is encoded from its fp16 rows (now, or at the
-end of the write that fills it); a freed block drops its entries. Blocks adopted from the prefix cache read as
-codes (`_adopt`), and drafts stay within the block being filled (`draft_room`), so what a request reads depends
-on its own tokens and the cached blocks it adopted, never on other requests or on speculation.
+Each request keeps the last `stage_blocks` blocks of each KV group's table in fp16 (its window, counted from the
+end of the tokens it knows; the block being filled always stages). When a block leaves its request's window it
+is encoded from its fp16 rows (now, or at the end of the write that fills it); a freed block drops its entries.
+Blocks adopted from the prefix cache read as codes (`_adopt`), prefill chunks end on block boundaries
+(`align_chunk`) and drafts within the block being filled (`draft_room`), so what a request reads depends on its
+own tokens and the cached blocks it adopted, never on other requests, on chunking or on speculation.
 The pool holds `max_num_seqs` windows per group, and only running requests hold one (a swapped-in request
 waiting for a slot is parked, a compacting one parks its old window), so a claim never needs an entry of a
 block in a window: it takes a free one or one of a block outside every window (encoding that block).

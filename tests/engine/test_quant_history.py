@@ -4,9 +4,11 @@ Staging entries (the fp16 window of int4 / kivi2 / fp8_e4m3) belong to the reque
 freed blocks give theirs back, and one request's new block never takes another's entry.
 (a) fresh engine, (b) after unrelated traffic (lengths off the block grid, aborts, finishes mid-block), the same
 batch: bit-identical tokens and logprobs (the same steps run on the same shapes). (c) batched with unrelated
-requests: identical tokens, logprobs within 1e-4 (other rows change the matmul kernels' row counts, so fp32 sums
-round differently; a request's staging never depends on the others).
-Prefix caching is off so that no request reuses another's blocks: reused blocks are another contract.
+requests, or with its prompts cut into chunks by the budget they leave: identical tokens, logprobs within 1e-4
+(other rows change the matmul kernels' row counts, and chunks the attention sums, so fp32 rounds differently:
+~1e-6 seen; a request's staging never depends on the others). After every step each running request's window
+holds its entries. Prefix caching is off in these so that no request reuses another's blocks; the last tests
+cover sink entries and adopted prefix blocks with it on, and compaction.
 """
 import random
 
