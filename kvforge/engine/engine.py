@@ -85,7 +85,7 @@ class LLMEngine:
         if self.spec_config:
             drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
             self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter,
-                                                        bridge_rows(self.loaded.model))
+                                                        bridge_rows(self.loaded.model), self.kv)
         if config.kv_tiers:
             draft_pool = drafter.pool if self.draft is not None else None  # tiers move its K/V too
             self.kv.attach_connector(build_tier_connector(

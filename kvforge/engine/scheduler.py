@@ -131,6 +131,9 @@ class Scheduler:
         if remaining > budget and not self.chunked_prefill and remaining <= self.max_num_batched_tokens:
             return 0
         n = min(remaining, budget)
+        aligned = self.kv.align_chunk(seq, n)  # staged formats: prefill chunks end on block boundaries, so a
+        if aligned > 0 or budget < self.max_num_batched_tokens:  # prompt is read the same however it is cut
+            n = aligned  # (0: wait for a step with room; a step that never has room cuts anywhere)
         del seq.draft_token_ids[max(0, n - 1):]  # drafts that do not fit this step are dropped
         return n
 

@@ -27,7 +27,7 @@ def iter_chunk_logits(engine, token_ids: list[int], chunk_size: int | None = Non
     try:
         for start in range(0, len(token_ids), chunk_size):
             n = min(chunk_size, len(token_ids) - start)
-            if not kv.allocate_slots(seq, n):
+            if not kv.allocate_slots(seq, n, prompt_window=False):  # fp16 windows as decode has them
                 raise OutOfKVMemoryError(f"the KV cache cannot hold {start + n} tokens of this sequence")
             batch = ScheduledBatch([seq], [n])
             hidden, _, stats = runner.forward(batch)

@@ -45,6 +45,9 @@ class RawKV:
 class LayerKV(ABC):
     """One layer's physical block storage in some format."""
 
+    may_stage: torch.Tensor | None = None  # bool per block: lies in some request's fp16 window (formats that stage)
+    sink_pins: torch.Tensor | None = None  # int per block: running requests whose first block it is (exact sinks)
+
     @abstractmethod
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
               positions: torch.Tensor | None = None) -> None:
@@ -92,6 +95,12 @@ class LayerKV(ABC):
     def forget_rows(self, block: int, offset: int) -> None:
         """Rows from `offset` on in `block` are void (rolled back); they will be written again before use."""
 
+    def unstage(self, blocks: torch.Tensor) -> None:
+        """`blocks` left their request's fp16 window (see KVFormat.stage_blocks): store them as they will be read."""
+
+    def forget_blocks(self, blocks: torch.Tensor) -> None:
+        """`blocks` are free: drop whatever side entries they hold."""
+
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer allocated, for exact byte accounting."""
@@ -132,6 +141,11 @@ class KVFormat(ABC):
     @abstractmethod
     def layer_block_bytes(self, spec: KVCacheSpec, block_size: int) -> int:
         """Bytes one block of one layer occupies (codes, scales and any side buffers)."""
+
+    def stage_blocks(self, spec: KVCacheSpec, block_size: int) -> int:
+        """Blocks of each sequence (per KV group) kept in fp16 staging: its window, the block being filled last;
+        0 when the format stages nothing. The KV manager tells the layers which blocks these are (`may_stage`)."""
+        return 0
 
     def side_bytes(self, spec: KVCacheSpec, block_size: int, max_num_seqs: int = 1) -> int:
         """Bytes one layer holds beyond its blocks (per-sequence staging/residual and sink buffers)."""

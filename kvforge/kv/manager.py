@@ -20,12 +20,13 @@ from kvforge.kv.prefix import PrefixTree
 from kvforge.kv.request_kv import RequestKV
 from kvforge.kv.sliding_prefix import SlidingPrefixTree
 from kvforge.kv.spec import KVCacheSpec
+from kvforge.kv.staging import StagingWindows
 from kvforge.kv.transfers import ConnectorTransfers
 
 _EMPTY = RequestKV()
 
 
-class KVCacheManager:
+class KVCacheManager(StagingWindows):
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
                  max_num_seqs: int = 1, groups: list[KVGroup] | None = None):
@@ -34,6 +35,7 @@ class KVCacheManager:
         self.groups = groups or [KVGroup(tuple(range(spec.num_layers)), None)]
         self.group_of_layer = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
         self.pool = KVPool(spec, fmt, num_blocks, block_size, device, max_num_seqs, self.groups)
+        self.staging_pools = [self.pool]  # pools whose layers follow the requests' fp16 windows (kv/staging.py)
         self.allocator = BlockAllocator(num_blocks)
         self.block_bytes = bytes_per_block(spec, fmt, block_size, self.groups)
         caching = enable_prefix_caching and layout == "paged"
@@ -110,14 +112,14 @@ class KVCacheManager:
         num = self._peek(tokens, req.cache_salt)
         if num:
             state = self._state(req)
-            for g, (group, tree) in enumerate(zip(self.groups, self.prefix_trees)):
-                match = tree.match_prefix(tokens[:num], salt=req.cache_salt)
-                tree.lock(match.node)
+            matches = [tree.match_prefix(tokens[:num], salt=req.cache_salt) for tree in self.prefix_trees]
+            for tree, match in zip(self.prefix_trees, matches):
+                tree.lock(match.node)  # all before adopting: a copy's allocation may reclaim unlocked blocks
+            for g, (group, match) in enumerate(zip(self.groups, matches)):
                 skip = group.first_needed_block(num, self.block_size)  # a sliding group adopts only its window
-                self.allocator.incref(match.block_ids[skip:])
-                state.block_tables[g].extend([NULL_BLOCK] * skip + match.block_ids[skip:])
+                state.block_tables[g].extend([NULL_BLOCK] * skip + self._adopt(match.block_ids[skip:]))
                 state.prefix_nodes.append(match.node)
-            state.num_matched = num
+            state.num_matched = state.num_adopted = num
         if self.connector is not None:
             self.transfers.start_load(req, usable, num)
         return num
@@ -153,9 +155,10 @@ class KVCacheManager:
 
     # -- blocks ---------------------------------------------------------------------------------
 
-    def allocate_slots(self, req, num_new_tokens: int) -> bool:
+    def allocate_slots(self, req, num_new_tokens: int, prompt_window: bool = True) -> bool:
         """Make room for num_new_tokens more tokens of req in every group; False when the cache is full.
-        Sliding groups first give back the blocks wholly behind their window."""
+        Sliding groups first give back the blocks wholly behind their window. A staged format's fp16 window is
+        counted from the end of req's known tokens (`prompt_window`) or from the end of these new ones."""
         state = self.requests.get(req.request_id)
         if self.layout == "contiguous" and (state is None or not state.block_table):
             needs = [blocks_for_tokens(self.max_model_len, self.block_size)] * len(self.groups)
@@ -165,17 +168,19 @@ class KVCacheManager:
             needs = [blocks_for_tokens(self.group_cache_len(req, g) + num_new_tokens, self.block_size)
                      - len(self.block_table(req, g)) for g in range(len(self.groups))]
         need = sum(max(0, n) for n in needs)
-        if need == 0:
-            return True
-        if not self.allocator.can_allocate(need):
+        if need > 0 and not self.allocator.can_allocate(need):
             self._reclaim(need - self.allocator.num_free)
-        if not self.allocator.can_allocate(need):
+        if need > 0 and not self.allocator.can_allocate(need):
             return False
         state = self._state(req)
         for table, n in zip(state.block_tables, needs):
             if n > 0:
                 table.extend(self.allocator.allocate(n))
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
+        starts = [self.group_cache_len(req, g) for g in range(len(self.groups))]
+        known = req.num_tokens - req.num_computed_tokens if prompt_window else num_new_tokens
+        self._restage(state, [c + num_new_tokens for c in starts], starts, [c + known for c in starts])
+        self._repin(state)
         return True
 
     def _free_behind_windows(self, req, state: RequestKV) -> None:
@@ -225,6 +230,7 @@ class KVCacheManager:
         state = self._state(req)
         for g in self.full_groups:
             self._truncate_table(state.block_tables[g], num_rows)
+        self._restage(state, [num_rows if not group.sliding else req.num_computed_tokens for group in self.groups])
 
     def _truncate_table(self, table: list[int], num_rows: int) -> None:
         kept = blocks_for_tokens(num_rows, self.block_size)
@@ -240,6 +246,7 @@ class KVCacheManager:
             self._truncate_table(table, length)
             if length % self.block_size:
                 self.pool.forget_rows(table[length // self.block_size], length % self.block_size)
+        self._restage(state, [self.group_cache_len(req, g) for g in range(len(self.groups))])
 
     def record_evicted(self, req, num_tokens: int) -> None:
         self._state(req).num_evicted += num_tokens
@@ -263,6 +270,7 @@ class KVCacheManager:
                 tree.unlock(node)
         for table in state.block_tables:
             self.allocator.decref([b for b in table if b != NULL_BLOCK])
+        self._unstage_all(state)
 
     # -- KV connector: it moves the bytes, the manager keeps the blocks ---------------------------------
 

@@ -25,6 +25,10 @@ class KVPool:
         seqs = max_num_seqs * (len(groups) if groups else 1)
         self.slots = [fmt.allocate(spec, num_blocks, block_size, device, seqs) for _ in range(layer_slots(spec, groups))]
         self.layers = list(self.slots)
+        staged = fmt.stage_blocks(spec, block_size) > 0  # which blocks may stage, and sinks' pins: kept by the manager
+        sinks = getattr(fmt, "sinks", 0) > 0
+        self.share_staging(torch.zeros(num_blocks, dtype=torch.bool, device=device) if staged else None,
+                           torch.zeros(num_blocks, dtype=torch.int32, device=device) if sinks else None)
         if groups:
             self.layers = [None] * spec.num_layers
             for group in groups:
@@ -34,6 +38,26 @@ class KVPool:
     def write(self, layer: int, meta, k: torch.Tensor, v: torch.Tensor | None) -> None:
         view = meta.for_layer(layer)
         self.layers[layer].write(view.slot_mapping, k, v, view.positions)
+
+    def share_staging(self, may_stage: torch.Tensor | None, sink_pins: torch.Tensor | None) -> None:
+        """Layers read which blocks may hold fp16 staging entries from `may_stage`, and how many running requests
+        start with each block (whose sink entry stays) from `sink_pins` (a pool with the same block ids, e.g. a
+        draft model's, shares the target's)."""
+        self.may_stage, self.sink_pins = may_stage, sink_pins
+        for layer in self.slots:
+            layer.may_stage, layer.sink_pins = may_stage, sink_pins
+
+    def unstage(self, block_ids: list[int]) -> None:
+        """Blocks that left their request's fp16 window are stored as they will be read from now on."""
+        if block_ids:
+            for layer in self.slots:
+                layer.unstage(self._ids(block_ids))
+
+    def forget_blocks(self, block_ids: list[int]) -> None:
+        """Freed blocks drop their side entries."""
+        if block_ids:
+            for layer in self.slots:
+                layer.forget_blocks(self._ids(block_ids))
 
     def forget_rows(self, block: int, offset: int) -> None:
         """Rows from `offset` on in `block` hold nothing valid any more (a rollback)."""

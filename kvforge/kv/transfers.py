@@ -59,7 +59,7 @@ class ConnectorTransfers:
         kv.peak_blocks_used = max(kv.peak_blocks_used, kv.allocator.num_used)
         kv.connector.finish_load(ids, payloads[:good])
         state.block_table.extend(ids)
-        state.num_matched = load.matched + good * kv.block_size
+        state.num_matched = state.num_adopted = load.matched + good * kv.block_size
         tree = kv.prefix_tree
         _, node = tree.insert(req.token_ids[:state.num_matched], state.block_table, salt=req.cache_salt)
         tree.lock(node)
@@ -108,9 +108,13 @@ class ConnectorTransfers:
         return load.matched
 
     def _finish_swap_in(self, state: RequestKV, load: Transfer, payloads: list) -> None:
-        if not self.kv.connector.finish_swap_in(load, payloads):
-            self.kv.allocator.decref(load.block_ids)
+        kv = self.kv
+        if all(p is not None for p in payloads):
+            state.block_table.extend(load.block_ids)
+            kv._restage(state, [state.num_matched - state.num_evicted])  # its window as it was, before its blocks come in
+        if not kv.connector.finish_swap_in(load, payloads):
+            kv.allocator.decref(load.block_ids)
             state.num_matched = state.num_evicted = 0
             state.policy_state = None
             return
-        state.block_table.extend(load.block_ids)
+        kv.park(state)  # until it runs again: a running request's claim may take these entries first

@@ -41,6 +41,8 @@ def build_drafter(config: SpeculativeConfig, model: torch.nn.Module, kv: KVCache
                               f"{sorted(set(draft.config.layer_windows()), key=str)}")
         pool = KVPool(draft.config.kv_cache_spec(), kv.format, kv.num_blocks, kv.block_size,
                       next(model.parameters()).device, max_num_seqs)
+        pool.share_staging(kv.pool.may_stage, kv.pool.sink_pins)  # the same block ids, the same windows and pins
+        kv.staging_pools.append(pool)
         return DraftModelDrafter(draft.model, pool, _num_parameters(draft.model) / _num_parameters(model))
     return None
 

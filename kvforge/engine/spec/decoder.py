@@ -17,10 +17,12 @@ from kvforge.engine.spec.verify import verify_greedy, verify_sampled
 
 class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, length_limit: int, evictor=None, drafter: ModelDrafter | None = None,
-                 bridge_rows: int | None = None):
+                 bridge_rows: int | None = None, kv=None):
         """drafter: the model that drafts (layer_skip, draft); None drafts by prompt lookup (ngram).
-        bridge_rows: most rows of a step the target runs through the layer bridge (None: it does not)."""
+        bridge_rows: most rows of a step the target runs through the layer bridge (None: it does not).
+        kv: the KV cache manager, whose staged formats bound drafts to the block being filled (`draft_room`)."""
         self.config, self.length_limit, self.evictor, self.drafter = config, length_limit, evictor, drafter
+        self.kv = kv
         k = config.num_speculative_tokens
         self.num_drafts = 0  # (sequence, step) pairs that verified at least one drafted token
         self.num_draft_tokens = 0
@@ -56,6 +58,9 @@ class SpeculativeDecoder:
             k = min(c.num_speculative_tokens, room)
             if self.evictor is not None and k > 0:  # stop where token-by-token decoding would compact the cache
                 k = self.evictor.tokens_before_compaction(seq, k + 1) - 1
+            room = self.kv.draft_room(seq) if self.kv is not None and k > 0 else None
+            if room is not None:  # stop where token-by-token decoding would move the fp16 window of a staged format
+                k = min(k, room)
             if k > 0 and self.drafter is not None:
                 offers.append((seq, [PENDING] * k))
             elif k > 0:

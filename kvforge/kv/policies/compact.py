@@ -43,6 +43,7 @@ def compact(kv, seq, keep: torch.Tensor, rotary=None) -> int:
     shift = index - keep + (length - m)
     turned = shift != 0 if rotary is not None else torch.zeros(m, dtype=torch.bool)
     if bool(moved.any()) or bool(turned.any()):
+        kv.stage_for_compaction(seq, m)
         device = kv.pool.slots[0].tensors()[0].device
         for group in kv.full_groups:  # sliding-window groups bound themselves
             table = torch.tensor(kv.block_table(seq, group)[: blocks_for_tokens(length, bs)], dtype=torch.long,
@@ -72,6 +73,7 @@ def _compact_layers(kv, seq, keep: torch.Tensor, length: int) -> int:
     index = torch.arange(m)
     order = {layer: i for i, layer in enumerate(full_attention_layers(kv))}
     device = kv.pool.slots[0].tensors()[0].device
+    kv.stage_for_compaction(seq, m)
     for g in kv.full_groups:
         table = torch.tensor(kv.block_table(seq, g)[: blocks_for_tokens(length, bs)], dtype=torch.long, device=device)
         for layer_kv, layer in zip(kv.pool.slots, kv.groups[g].layers):

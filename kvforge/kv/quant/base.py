@@ -38,10 +38,11 @@ class QuantFormat(KVFormat):
     def staged(self, spec: KVCacheSpec) -> bool:
         return self.window > 0 or not all(c.per_token for c in self.codecs(spec) if c is not None)
 
+    def stage_blocks(self, spec: KVCacheSpec, block_size: int) -> int:
+        return math.ceil(self.window / block_size) + 1 if self.staged(spec) else 0
+
     def stage_entries(self, spec: KVCacheSpec, block_size: int, max_num_seqs: int) -> int:
-        if not self.staged(spec):
-            return 0
-        return max_num_seqs * (math.ceil(self.window / block_size) + 1)
+        return max_num_seqs * self.stage_blocks(spec, block_size)
 
     def sink_entries(self, max_num_seqs: int) -> int:
         return SINK_ENTRIES_PER_SEQ * max_num_seqs if self.sinks else 0

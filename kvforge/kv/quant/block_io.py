@@ -3,7 +3,8 @@
 A payload is a flag byte, then either the block's codes or, while the block still sits in an fp16
 staging entry, those exact staged rows (STAGED; STAGE_FULL says the entry was full), then the block's
 exact sink rows when it holds a sink entry (SINKS). Importing claims entries the way a write does
-(their previous holders are flushed or unsinked), so the block reads back bit for bit as it was.
+(their previous holders are flushed or unsinked), so the block reads back bit for bit as it was; a staged
+block imported outside every window (`may_stage`) is encoded from its rows, as its flush would have.
 """
 from __future__ import annotations
 
@@ -62,12 +63,12 @@ class QuantBlockIO:
         coded = [i for i, f in enumerate(flags) if not f & STAGED]
         if coded:
             self._import_codes(ids[coded], stack_payloads([payloads[i] for i in coded], 0, self.payload_bytes(0)))
+        sinked = [i for i, f in enumerate(flags) if f & SINKS]
+        if sinked:  # before staged rows, so that a staged block encoded here leaves its sinks out, as a flush does
+            self._import_sinks(ids[sinked], [payloads[i] for i in sinked])
         staged = [i for i, f in enumerate(flags) if f & STAGED]
         if staged:
             self._import_staged(ids[staged], [payloads[i] for i in staged])
-        sinked = [i for i, f in enumerate(flags) if f & SINKS]
-        if sinked:
-            self._import_sinks(ids[sinked], [payloads[i] for i in sinked])
 
     def import_rows(self, block_ids: torch.Tensor, table: np.ndarray) -> None:
         ids = block_ids.long()
@@ -97,17 +98,20 @@ class QuantBlockIO:
             self._encode_into(ids, [r.float() for r in rows])
             return
         full = torch.tensor([bool(p[0] & STAGE_FULL) for p in payloads], device=self.stage_full.device)
-        claim = self._claim_stage(ids)
+        windowed = self.may_stage[ids] if self.may_stage is not None else torch.ones_like(full)
+        claim = self._claim_stage(ids[windowed])
+        taken = torch.zeros_like(full)
+        taken[windowed.nonzero()[:, 0]] = claim.taken
         for s, r in zip(self.stage_rows, rows):
-            s[claim.entries] = r[claim.taken]
-        self.stage_full[claim.entries] = full[claim.taken]
-        short = ~claim.taken
+            s[claim.entries] = r[taken]
+        self.stage_full[claim.entries] = full[taken]
+        short = ~taken  # outside every window (a prefix loaded from a tier), or no entry left: encoded, as a flush
         if bool(short.any()):
             self._encode_into(ids[short], [r[short].float() for r in rows])
 
     def _import_sinks(self, ids: torch.Tensor, payloads) -> None:
         rows = self._read_rows(self._sink_table(payloads), 0, self.sink_rows)
-        claim = self.sink.claim(ids)
+        claim = self._claim_sinks(ids)
         self._unsink(claim.victim_blocks, [s[claim.victim_entries] for s in self.sink_rows])
         for s, r in zip(self.sink_rows, rows):
             s[claim.entries] = r[claim.taken]

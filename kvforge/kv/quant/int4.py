@@ -7,7 +7,7 @@ block_size 16 (per-sequence staging counted), group parameters are 8-bit and val
 Options:
   group_size      values (and per-token keys) per group along head_dim (default 64).
   key_axis        "channel" (default): keys per channel over a block's tokens; the block being filled
-                  stays fp16 in a staging entry until newer blocks need it.
+                  stays fp16 in a staging entry until its sequence's window moves past it.
                   "token": keys grouped like values; rows independent, no staging.
   scale_bits      8 (default): scales as uint8 log2 codes, per-channel zeros as uint8 codes on a
                   per-head grid (see uniform.py), per-token zeros fp16; 16: scale and zero both fp16.

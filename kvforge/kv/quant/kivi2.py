@@ -2,8 +2,8 @@
 
 Keys are quantized per channel over the tokens of one block, values per token in groups of
 `group_size` along head_dim. The block being filled and the blocks holding the most recent
-`window` tokens of each sequence stay fp16 in staging entries (the residual); they are quantized
-once newer blocks need the entries (the oldest full block goes first).
+`window` tokens of each sequence stay fp16 in staging entries (the residual); a block is quantized
+once its own sequence moves past it (kv/staging.py), whatever other sequences do.
 Small models need more than plain KIVI:
   sinks         first positions of each sequence kept fp16 (StreamingLLM's attention sinks); needs
                 `positions` passed to LayerKV.write; they are also excluded from the block's ranges.

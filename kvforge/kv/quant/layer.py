@@ -1,12 +1,17 @@
 """QuantLayerKV: one layer's quantized blocks, an fp16 staging area for recent blocks, and exact sinks.
 
 Staging (used when a codec needs a whole block, e.g. per-channel keys, or a residual window is on):
-a block written at offset 0 is new; it claims a staging entry and its rows stay fp16 there.
-When entries run out the oldest full block (then the oldest partial one) is flushed: encoded into
-its codes. Rows of a block without an entry are merged by decode -> insert rows -> encode.
+a block written at offset 0 is new; when `may_stage` (set by the pool, kept by the KV manager: the blocks of
+each request's own window) lets it, it claims a staging entry and its rows stay fp16 there. A staged block that
+leaves every window is flushed: encoded from its fp16 rows (`unstage`, or at the end of the write that filled it);
+freed blocks drop their entries (`forget_blocks`). So a block's numerics follow its own request only. A claim
+takes a free entry, else one of a block outside every window (flushing it); only without a pool's manager, or if
+windows outnumbered entries, the oldest full block's, then the oldest partial one's. Rows of a block without an
+entry are merged by decode -> insert rows -> encode.
 Sinks: rows with position < sinks are also copied into an fp16 sink entry of their block (claimed
 when position 0 is written); they override the decoded rows and are left out of the block's
-quantization ranges. A block written at offset 0 drops its old entries.
+quantization ranges. A claim takes free entries, then the oldest of blocks that no running request starts
+with (`sink_pins`), e.g. cached first blocks. A block written at offset 0 drops its old entries.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from kvforge.kv.spec import KVCacheSpec
 
 EXACT_DTYPE = torch.float16
 PARTIAL_BIAS = 1 << 48
+WINDOW_BIAS = 1 << 56  # entries of blocks in some window go last (above any age)
 FAST_ROWS = 64  # writes of up to this many rows try the staged fast path (decode, speculation)
 
 
@@ -42,6 +48,8 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
         self.sink_rows = [torch.zeros(sink_entries, sinks, *hd, dtype=EXACT_DTYPE, device=device)
                           for hd in self.shapes] if sinks else []
         self.direct = self.stage is None and all(c.per_token for c in codecs if c is not None)
+        self.may_stage: torch.Tensor | None = None  # bool per block, shared with the pool; None: every block may
+        self.sink_pins: torch.Tensor | None = None  # int per block, shared with the pool; None: no block is pinned
         k, v = codecs
         self.same_codec = len(self.shapes) == 2 and self.shapes[0] == self.shapes[1] and \
             type(k) is type(v) and vars(k) == vars(v)
@@ -87,19 +95,56 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
         if self.direct:
             self._store_direct(blocks * self.bs + offs, rows)
             return
-        if self.stage is not None:
-            self.stage.release(new)
-            self._claim_stage(new)
-            e = self.stage.lookup(blocks)
-            staged = e >= 0
-            if bool(staged.all()):  # e.g. a decode step's rows, some starting new blocks
-                self._put_staged(e, offs, rows)
-                return
-            self._put_staged(e[staged], offs[staged], [x[staged] for x in rows])
-            rest = ~staged
-            blocks, offs, rows = blocks[rest], offs[rest], [x[rest] for x in rows]
+        if self.stage is not None:  # rows of staged blocks first: a block they fill outside every window frees its
+            self.stage.release(new)  # entry before the new blocks claim theirs
+            blocks, offs, rows = self._put_into_entries(blocks, offs, rows)
+            if len(blocks):
+                self._claim_stage(self._windowed(new))
+                blocks, offs, rows = self._put_into_entries(blocks, offs, rows)
         if len(blocks):
             self._merge(blocks, offs, rows, new)
+
+    def _put_into_entries(self, blocks: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Rows of blocks holding staging entries go there (a block outside every window is then encoded);
+        returns the other rows."""
+        e = self.stage.lookup(blocks)
+        staged = e >= 0
+        if bool(staged.all()):  # e.g. a decode step's rows
+            self._put_staged(e, offs, rows)
+            self._flush_outside_windows(blocks)
+            return blocks[:0], offs[:0], [x[:0] for x in rows]
+        if bool(staged.any()):
+            self._put_staged(e[staged], offs[staged], [x[staged] for x in rows])
+            self._flush_outside_windows(blocks[staged])
+        rest = ~staged
+        return blocks[rest], offs[rest], [x[rest] for x in rows]
+
+    def _windowed(self, blocks: torch.Tensor) -> torch.Tensor:
+        return blocks if self.may_stage is None else blocks[self.may_stage[blocks]]
+
+    def _flush_outside_windows(self, blocks: torch.Tensor) -> None:
+        """Staged blocks this write touched that lie in no window (e.g. filled by a long prefill chunk) are encoded."""
+        if self.may_stage is None or bool(self.may_stage[blocks].all()):
+            return
+        self.unstage(torch.unique(blocks[~self.may_stage[blocks]]))
+
+    def unstage(self, blocks: torch.Tensor) -> None:
+        """These blocks left their request's window: those holding a staging entry are encoded from its fp16 rows
+        (what the block will read as from now on) and give the entry back."""
+        if self.stage is None:
+            return
+        e = self.stage.lookup(blocks)
+        has = e >= 0
+        if bool(has.any()):
+            self._flush(blocks[has], e[has])
+            self.stage.release(blocks[has])
+
+    def forget_blocks(self, blocks: torch.Tensor) -> None:
+        """These blocks are free: their staging and sink entries go back, nothing is encoded."""
+        for table in (self.stage, self.sink):
+            if table is not None:
+                table.release(blocks)
 
     def _put_staged(self, e: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor]) -> None:
         for s, x in zip(self.stage_rows, rows):
@@ -115,8 +160,12 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
                             FAST_ROWS, positions, self.sinks if self.sink is not None else 0)
 
     def _claim_stage(self, blocks: torch.Tensor) -> Claim:
-        """Give blocks empty staging entries (full blocks first, then partial ones are flushed to make room)."""
-        claim = self.stage.claim(blocks, (~self.stage_full).long() * PARTIAL_BIAS)
+        """Give blocks empty staging entries: free ones, else (flushed to make room) entries of blocks outside every
+        window, then the oldest full block's, then the oldest partial one's."""
+        keep = (~self.stage_full).long() * PARTIAL_BIAS
+        if self.may_stage is not None:
+            keep += self.may_stage[self.stage.block_of.long().clamp_min(0)].long() * WINDOW_BIAS
+        claim = self.stage.claim(blocks, keep)
         self._flush(claim.victim_blocks, claim.victim_entries)
         self.stage_full.index_fill_(0, claim.entries, False)
         for s in self.stage_rows:
@@ -124,13 +173,14 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
         return claim
 
     def _merge(self, blocks: torch.Tensor, offs: torch.Tensor, rows: list[torch.Tensor], new: torch.Tensor) -> None:
-        """Rows into blocks that live only as codes: decode, insert, re-encode (new blocks start at zero)."""
+        """Rows into blocks that live only as codes: decode, insert, re-encode (new blocks start at zero). Where
+        blocks stage, rows are rounded to fp16 first, so a block encoded here gets the codes its flush would give."""
         ub, inv = torch.unique(blocks, return_inverse=True)
         fresh = torch.isin(ub, new)
         full = [c.decode([p[ub] for p in ps]) for c, ps in zip(self.codecs, self.parts)]
         for x, r in zip(full, rows):
             x[fresh] = 0
-            x[inv, offs] = r
+            x[inv, offs] = r.to(EXACT_DTYPE).float() if self.stage is not None else r
         self._encode_into(ub, full)
 
     def _flush(self, blocks: torch.Tensor, entries: torch.Tensor) -> None:
@@ -153,12 +203,19 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
                      rows: list[torch.Tensor]) -> None:
         firsts = blocks[(positions == 0) & (offs == 0)]
         if len(firsts):
-            claim = self.sink.claim(firsts)
+            claim = self._claim_sinks(firsts)
             self._unsink(claim.victim_blocks, [s[claim.victim_entries] for s in self.sink_rows])
         e = self.sink.lookup(blocks)
         keep = (positions < self.sinks) & (offs < self.sinks) & (e >= 0)
         for s, x in zip(self.sink_rows, rows):
             s[e[keep], offs[keep]] = x[keep].to(EXACT_DTYPE)
+
+    def _claim_sinks(self, blocks: torch.Tensor) -> Claim:
+        """Sink entries for blocks: free ones, then the oldest of blocks no running request starts with."""
+        pinned = None
+        if self.sink_pins is not None:
+            pinned = (self.sink_pins[self.sink.block_of.long().clamp_min(0)] > 0).long() * WINDOW_BIAS
+        return self.sink.claim(blocks, pinned)
 
     def _unsink(self, blocks: torch.Tensor, exact: list[torch.Tensor]) -> None:
         """Blocks that lost their sink entry get those rows back into their ordinary storage."""
