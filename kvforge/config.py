@@ -69,7 +69,7 @@ class EngineConfig:
                               f"({self.max_num_batched_tokens} < {self.max_model_len})")
         if self.model is not None:
             self.model = os.fspath(self.model)
-        from kvforge.engine.spec.config import SpeculativeConfig
+        from kvforge.engine.speculative.config import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative)  # refuse bad options at configuration time
 

@@ -14,9 +14,9 @@ from kvforge.engine.host_memory import keep_freed_memory
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
-from kvforge.engine.spec import SpeculativeConfig, SpeculativeDecoder
-from kvforge.engine.spec.build import bridge_rows, build_drafter, load_draft_model
-from kvforge.engine.spec.draft_model import shared_num_blocks
+from kvforge.engine.speculative import SpeculativeConfig, SpeculativeDecoder
+from kvforge.engine.speculative.build import bridge_rows, build_drafter, load_draft_model
+from kvforge.engine.speculative.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
@@ -51,16 +51,16 @@ class LLMEngine:
             self.loaded = int8_loaded(self.loaded)  # its own module tree with int8 linear weights
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        self.spec = cfg.kv_cache_spec()
+        self.kv_spec = cfg.kv_cache_spec()
         self.format = get_format(config.kv_cache_dtype, **(config.kv_cache_options or {}))
-        self.format.validate(self.spec, config.block_size)
+        self.format.validate(self.kv_spec, config.block_size)
         self.layer_windows = cfg.layer_windows()
         self.groups = build_groups(self.layer_windows, config.kv_cache_groups)
         self.policy = build_policy(config.kv_policy, config.kv_policy_options)
         check_policy_groups(self.policy, self.groups)
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
-        self.spec_config = SpeculativeConfig.parse(config.speculative)
-        self.draft = load_draft_model(self.spec_config, self.loaded, self.device, self.max_model_len, self.policy,
+        self.speculative_config = SpeculativeConfig.parse(config.speculative)
+        self.draft = load_draft_model(self.speculative_config, self.loaded, self.device, self.max_model_len, self.policy,
                                       self.format, config.block_size)  # None unless method 'draft'
         for weights in (self.loaded, self.draft):  # packed now: no step stalls for it, free memory counts it
             if weights is not None:
@@ -70,7 +70,7 @@ class LLMEngine:
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
-        self.kv = KVCacheManager(self.spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
+        self.kv = KVCacheManager(self.kv_spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
                                  self.max_model_len, prefix, config.max_num_seqs, self.groups)
         if config.kv_tiers and len(self.groups) > 1:
             raise ConfigError(f"kv_tiers support models with one KV group; this model has {len(self.groups)} "
@@ -84,12 +84,12 @@ class LLMEngine:
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
-        if self.spec_config:
-            drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
-            self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter,
+        if self.speculative_config:
+            drafter = build_drafter(self.speculative_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
+            self.runner.speculator = SpeculativeDecoder(self.speculative_config, self.length_limit, self.runner.evictor, drafter,
                                                         bridge_rows(self.loaded.model))
         draft = (self.draft.model, drafter.pool) if self.draft is not None else None  # tiers move its K/V too
-        self.tiers = attach_tiers(self.kv, config.kv_tiers, self._model_key(), self.format, self.spec,
+        self.tiers = attach_tiers(self.kv, config.kv_tiers, self._model_key(), self.format, self.kv_spec,
                                   write_through=config.kv_tier_write_through, fsync=config.kv_tier_fsync,
                                   device=self.device, draft=draft) if config.kv_tiers else None
         self.requests: dict[str, Sequence] = {}
@@ -118,9 +118,9 @@ class LLMEngine:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
         draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
         if draft_spec is None:
-            num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
+            num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
         else:  # each block also holds the draft model's K/V of the same tokens
-            num_blocks = shared_num_blocks(self.spec, self.groups, draft_spec, self.format, c.block_size, budget,
+            num_blocks = shared_num_blocks(self.kv_spec, self.groups, draft_spec, self.format, c.block_size, budget,
                                            c.max_num_seqs)
         need = self._blocks_one_sequence(self.max_model_len)
         if num_blocks < need and c.max_model_len is None and num_blocks > 0:
@@ -129,7 +129,7 @@ class LLMEngine:
             if fits:  # the model's full context does not fit: cap it
                 self.max_model_len, need = fits, self._blocks_one_sequence(fits)
         if num_blocks < need or num_blocks == 0:
-            per_block = bytes_per_block(self.spec, self.format, c.block_size, self.groups)
+            per_block = bytes_per_block(self.kv_spec, self.format, c.block_size, self.groups)
             per_block += bytes_per_block(draft_spec, self.format, c.block_size) if draft_spec else 0
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "

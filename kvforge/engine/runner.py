@@ -32,7 +32,7 @@ class ModelRunner:
         self.forward_passes = 0  # each reads every weight once: the memory side of the roofline
         self.context_rows = 0  # sum over forwards and sequences of the cached rows attention reads
         self.evictor = None  # kvforge.kv.policies.Evictor when a KV policy evicts
-        self.speculator = None  # kvforge.engine.spec.SpeculativeDecoder when speculative decoding is on
+        self.speculator = None  # kvforge.engine.speculative.SpeculativeDecoder when speculative decoding is on
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         kv, bs, groups = self.kv, self.kv.block_size, self.kv.groups

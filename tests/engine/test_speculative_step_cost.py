@@ -2,9 +2,9 @@
 import pytest
 from test_speculative import make, run
 
-from kvforge.engine.spec.build import bridge_rows
-from kvforge.engine.spec.planner import Candidate, SpeculationPlanner
-from kvforge.engine.spec.step_cost import StepCost
+from kvforge.engine.speculative.build import bridge_rows
+from kvforge.engine.speculative.planner import Candidate, SpeculationPlanner
+from kvforge.engine.speculative.step_cost import StepCost
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.ops.build import load_compiled
 from kvforge.ops.layer_bridge import BRIDGE_ROWS
@@ -91,7 +91,7 @@ def test_the_engine_plans_with_the_bridge_limit_where_the_bridge_serves(tiny_loa
 
 def test_the_bench_arm_from_before_the_bridge_plans_on_one_line():
     from kvforge.bench.spec import METHODS
-    from kvforge.engine.spec.config import SpeculativeConfig
+    from kvforge.engine.speculative.config import SpeculativeConfig
 
     c = SpeculativeConfig(**METHODS["ngram_linear"])
     assert StepCost(c.verify_row_cost, BRIDGE_ROWS, c.bridge_jump, c.bridge_row_cost).linear and c.verify_row_cost == 0.055

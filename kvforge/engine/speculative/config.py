@@ -19,7 +19,7 @@ class SpeculativeConfig:
     num_speculative_tokens: most tokens drafted per sequence and step.
     prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first (ngram).
     disable_by_batch_size: no drafting while this many sequences run (verification then costs more than it saves).
-    adaptive: plan each step's drafts from each sequence's acceptance and the batch (engine/spec/planner.py);
+    adaptive: plan each step's drafts from each sequence's acceptance and the batch (engine/speculative/planner.py);
     False drafts num_speculative_tokens for every sequence whenever the drafter has them.
     verify_row_cost: the planner's cost of one more row in a step, as a fraction of a step's fixed cost
     (`kvforge bench spec --verify-cost` fits it on a machine; the default is this project's CPU measurement).

@@ -7,12 +7,12 @@ import torch
 
 from kvforge.engine.sampler import check_finite, target_probs
 from kvforge.engine.scheduler import ScheduledBatch
-from kvforge.engine.spec.config import SpeculativeConfig
-from kvforge.engine.spec.model_drafter import PENDING, ModelDrafter
-from kvforge.engine.spec.ngram import NgramIndex
-from kvforge.engine.spec.planner import Candidate, SpeculationPlanner
-from kvforge.engine.spec.step_cost import StepCost
-from kvforge.engine.spec.verify import verify_greedy, verify_sampled
+from kvforge.engine.speculative.config import SpeculativeConfig
+from kvforge.engine.speculative.model_drafter import PENDING, ModelDrafter
+from kvforge.engine.speculative.ngram import NgramIndex
+from kvforge.engine.speculative.planner import Candidate, SpeculationPlanner
+from kvforge.engine.speculative.step_cost import StepCost
+from kvforge.engine.speculative.verify import verify_greedy, verify_sampled
 
 
 class SpeculativeDecoder:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.engine.spec.config import SpeculativeConfig
-from kvforge.engine.spec.draft_model import DraftModelDrafter, load_draft
-from kvforge.engine.spec.layer_skip import LayerSkipDrafter
-from kvforge.engine.spec.model_drafter import ModelDrafter
+from kvforge.engine.speculative.config import SpeculativeConfig
+from kvforge.engine.speculative.draft_model import DraftModelDrafter, load_draft
+from kvforge.engine.speculative.layer_skip import LayerSkipDrafter
+from kvforge.engine.speculative.model_drafter import ModelDrafter
 from kvforge.errors import ConfigError
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.manager import KVCacheManager

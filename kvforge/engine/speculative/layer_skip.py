@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from kvforge.engine.spec.model_drafter import ModelDrafter
+from kvforge.engine.speculative.model_drafter import ModelDrafter
 from kvforge.errors import ConfigError
 from kvforge.kv.pool import KVPool
 
