@@ -48,18 +48,17 @@ def verify_cost(loaded, ks: tuple[int, ...] = (1, 3, 5), rounds: int = 9, passag
     for r in range(rounds):
         for size in sizes if r % 2 == 0 else sizes[::-1]:
             step_seqs, drafts = _spread(seqs, size)
+            step = ScheduledBatch(step_seqs, [1 + k for k in drafts],
+                                  draft_token_ids={s.request_id: [s.token_ids[-1]] * k for s, k in zip(step_seqs, drafts) if k})
             for seq, k in zip(step_seqs, drafts):
-                seq.draft_token_ids = [seq.token_ids[-1]] * k
                 engine.kv.allocate_slots(seq, 1 + k)
             with torch.inference_mode():
-                ids, meta, out_rows = runner.build_metadata(ScheduledBatch(step_seqs, [1 + k for k in drafts]))
+                ids, meta, out_rows = runner.build_metadata(step)
                 start, cpu = time.perf_counter(), time.thread_time()
                 hidden = model(ids, meta, engine.kv.pool)
                 body = time.perf_counter()
                 model.compute_logits(hidden[out_rows]).float().argmax(-1).tolist()
                 times[size].append((time.perf_counter() - start, time.perf_counter() - body, time.thread_time() - cpu))
-            for seq in step_seqs:
-                seq.draft_token_ids = []
     plain = batch if batch in times else sizes[0]
     base = statistics.median(w for w, _, _ in times[plain])
     base_cpu = statistics.median(c for _, _, c in times[plain])

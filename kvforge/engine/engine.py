@@ -221,9 +221,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; returns outputs of requests that produced a token or finished."""
-        if self.runner.speculator:
-            self.runner.speculator.propose(self.scheduler.running)
-        batch = self.scheduler.schedule()
+        drafts = self.runner.speculator.propose(self.scheduler.running) if self.runner.speculator else None
+        batch = self.scheduler.schedule(drafts)
         if not batch:
             return []
         now = time.monotonic()
@@ -237,15 +236,15 @@ class LLMEngine:
         now = time.monotonic()
         emitting = [seq for seq in batch.seqs if seq.request_id in result.tokens or seq.request_id in result.errors]
         failed = dict(result.errors)  # its token could not be sampled: this request fails, not the step
-        rejected = {seq.request_id: len(seq.draft_token_ids) for seq in emitting if seq.request_id in failed}
+        rejected = {seq.request_id: len(batch.drafts(seq)) for seq in emitting if seq.request_id in failed}
         for seq in emitting:
             if seq.request_id in failed:
                 continue
             try:
-                rejected[seq.request_id] = self._append(seq, result, now)
+                rejected[seq.request_id] = len(batch.drafts(seq)) - (self._append(seq, result, now) - 1)
             except Exception as e:  # noqa: BLE001 - e.g. the tokenizer failed on this request only
                 failed[seq.request_id] = e
-                rejected[seq.request_id] = len(seq.draft_token_ids)  # commit none of its drafts
+                rejected[seq.request_id] = len(batch.drafts(seq))  # commit none of its drafts
         self.commit(batch, result.stats, rejected, uncached=set(result.errors))
         outputs = []
         for seq in emitting:
@@ -279,7 +278,7 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, result, now: float) -> int:
-        """Append seq's emitted tokens up to the first stop; returns how many of its drafts were not kept."""
+        """Append seq's emitted tokens up to the first stop; returns how many it kept."""
         tokens, logprobs = result.tokens[seq.request_id], result.logprobs.get(seq.request_id)
         kept = 0
         for j, token in enumerate(tokens):
@@ -296,7 +295,7 @@ class LLMEngine:
                 seq.metrics.finished_time = now
                 break
         seq.metrics.generated_tokens = seq.num_output_tokens
-        return len(seq.draft_token_ids) - (kept - 1)
+        return kept
 
     def commit(self, batch: ScheduledBatch, stats: AttentionStats | None = None,
                rejected: dict[str, int] | None = None, uncached: set[str] = frozenset()) -> None:
