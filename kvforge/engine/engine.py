@@ -15,7 +15,7 @@ from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.speculative import SpeculativeConfig, SpeculativeDecoder
-from kvforge.engine.speculative.build import bridge_rows, build_drafter, load_draft_model
+from kvforge.engine.speculative.build import build_drafter, load_draft_model
 from kvforge.engine.speculative.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -86,8 +86,9 @@ class LLMEngine:
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.speculative_config:
             drafter = build_drafter(self.speculative_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
-            self.runner.speculator = SpeculativeDecoder(self.speculative_config, self.length_limit, self.runner.evictor, drafter,
-                                                        bridge_rows(self.loaded.model))
+            sc = self.speculative_config
+            cost = self.runner.step_cost(sc.verify_row_cost, sc.bridge_jump, sc.bridge_row_cost)
+            self.runner.speculator = SpeculativeDecoder(sc, self.length_limit, self.runner.evictor, drafter, cost)
         draft = (self.draft.model, drafter.pool) if self.draft is not None else None  # tiers move its K/V too
         self.tiers = attach_tiers(self.kv, config.kv_tiers, self._model_key(), self.format, self.kv_spec,
                                   write_through=config.kv_tier_write_through, fsync=config.kv_tier_fsync,

@@ -9,8 +9,11 @@ import torch
 from kvforge.attention import AttentionMetadata
 from kvforge.engine.sampler import sample, top_logprobs
 from kvforge.engine.scheduler import ScheduledBatch
+from kvforge.engine.step_cost import StepCost
 from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.policies.stats import AttentionStats
+from kvforge.models.bridged import bridged_rows
+from kvforge.ops.layer_bridge import BRIDGE_ROWS
 
 
 @dataclass
@@ -34,6 +37,16 @@ class ModelRunner:
         self.context_rows = 0  # sum over forwards and sequences of the cached rows attention reads
         self.evictor = None  # kvforge.kv.policies.Evictor when a KV policy evicts
         self.speculator = None  # kvforge.engine.speculative.SpeculativeDecoder when speculative decoding is on
+
+    def bridge_rows(self) -> int | None:
+        """Most rows of a step the model runs through the compiled layer bridge's streamed path (models/bridged.py),
+        None where it does not (another architecture, the per-op path forced, the kernels not built)."""
+        return BRIDGE_ROWS if bridged_rows(self.model, 1) is not None else None
+
+    def step_cost(self, row_cost: float, jump: float = 0.0, row_cost_above: float | None = None) -> StepCost:
+        """What a step of this model costs by its rows, from the measured constants: one line, or two on either side
+        of the layer bridge's row limit where the bridge serves the model."""
+        return StepCost(row_cost, self.bridge_rows(), jump, row_cost_above)
 
     def build_metadata(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         kv, bs, groups = self.kv, self.kv.block_size, self.kv.groups

@@ -11,9 +11,7 @@ from kvforge.errors import ConfigError
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.pool import KVPool
-from kvforge.models.bridged import bridged_rows
 from kvforge.models.loader import LoadedModel
-from kvforge.ops.layer_bridge import BRIDGE_ROWS
 
 
 def load_draft_model(config: SpeculativeConfig | None, target: LoadedModel, device: torch.device, max_model_len: int,
@@ -49,8 +47,3 @@ def _num_parameters(model: torch.nn.Module) -> int:
     """Weights and buffers (int8 weights are buffers), at least 1."""
     return max(1, sum(t.numel() for t in (*model.parameters(), *model.buffers())))
 
-
-def bridge_rows(model: torch.nn.Module) -> int | None:
-    """Most rows of a step the model runs through the compiled layer bridge (models/bridged.py), None where it does
-    not (another architecture, the per-op path forced, the kernels not built)."""
-    return BRIDGE_ROWS if bridged_rows(model, 1) is not None else None

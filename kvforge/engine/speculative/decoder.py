@@ -14,15 +14,15 @@ from kvforge.engine.speculative.config import SpeculativeConfig
 from kvforge.engine.speculative.model_drafter import PENDING, ModelDrafter
 from kvforge.engine.speculative.ngram import NgramIndex
 from kvforge.engine.speculative.planner import Candidate, SpeculationPlanner
-from kvforge.engine.speculative.step_cost import StepCost
 from kvforge.engine.speculative.verify import verify_greedy, verify_sampled
+from kvforge.engine.step_cost import StepCost
 
 
 class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, length_limit: int, evictor=None, drafter: ModelDrafter | None = None,
-                 bridge_rows: int | None = None):
+                 step_cost: StepCost | None = None):
         """drafter: the model that drafts (layer_skip, draft); None drafts by prompt lookup (ngram).
-        bridge_rows: most rows of a step the target runs through the layer bridge (None: it does not)."""
+        step_cost: the target's cost of a step by rows, from the model runner (None: verify_row_cost per row)."""
         self.config, self.length_limit, self.evictor, self.drafter = config, length_limit, evictor, drafter
         k = config.num_speculative_tokens
         self.num_drafts = 0  # (sequence, step) pairs that verified at least one drafted token
@@ -33,7 +33,7 @@ class SpeculativeDecoder:
         self.draft_seconds = 0.0
         self.ngrams: dict[str, NgramIndex] = {}  # each running sequence's n-gram index (method ngram)
         self.num_skipped_batch_size = 0  # sequence-steps without drafts because disable_by_batch_size was reached
-        cost = StepCost(config.verify_row_cost, bridge_rows, config.bridge_jump, config.bridge_row_cost)
+        cost = step_cost if step_cost is not None else StepCost(config.verify_row_cost)
         self.planner = SpeculationPlanner(cost, config.acceptance_smoothing, config.probe_interval,
                                           config.max_probe_interval, drafter.cost_fraction if drafter else 0.0
                                           ) if config.adaptive else None
