@@ -14,8 +14,7 @@ from kvforge.engine.host_memory import keep_freed_memory
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
-from kvforge.engine.speculative import SpeculativeConfig, SpeculativeDecoder
-from kvforge.engine.speculative.build import build_drafter, load_draft_model
+from kvforge.engine.speculative.build import build_speculator, check_speculation, load_draft_model
 from kvforge.engine.speculative.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
@@ -59,15 +58,16 @@ class LLMEngine:
         self.policy = build_policy(config.kv_policy, config.kv_policy_options)
         check_policy_groups(self.policy, self.groups)
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
-        self.speculative_config = SpeculativeConfig.parse(config.speculative)
-        self.draft = load_draft_model(self.speculative_config, self.loaded, self.device, self.max_model_len, self.policy,
-                                      self.format, config.block_size)  # None unless method 'draft'
+        if self.policy.evicts and config.kv_layout != "paged":
+            raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
+        self.speculative_config = config.speculative
+        check_speculation(self.speculative_config, self.loaded.model, self.groups, self.policy)
+        self.draft = load_draft_model(self.speculative_config, self.loaded, self.device, self.max_model_len,
+                                      self.format, config.block_size, self.groups)  # None unless method 'draft'
         for weights in (self.loaded, self.draft):  # packed now: no step stalls for it, free memory counts it
             if weights is not None:
                 prepare_bridge(weights.model)
         num_blocks = self._num_blocks()
-        if self.policy.evicts and config.kv_layout != "paged":
-            raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.kv_spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
@@ -75,7 +75,7 @@ class LLMEngine:
         if config.kv_tiers and len(self.groups) > 1:
             raise ConfigError(f"kv_tiers support models with one KV group; this model has {len(self.groups)} "
                               "(full and sliding-window layers); leave kv_tiers unset")
-        self.preemption_mode = self._preemption_mode()
+        self.preemption_mode = config.resolve_preemption_mode(self.policy.evicts)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    self.preemption_mode)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
@@ -85,11 +85,9 @@ class LLMEngine:
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.speculative_config:
-            drafter = build_drafter(self.speculative_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
-            sc = self.speculative_config
-            cost = self.runner.step_cost(sc.verify_row_cost, sc.bridge_jump, sc.bridge_row_cost)
-            self.runner.speculator = SpeculativeDecoder(sc, self.length_limit, self.runner.evictor, drafter, cost)
-        draft = (self.draft.model, drafter.pool) if self.draft is not None else None  # tiers move its K/V too
+            self.runner.speculator = build_speculator(self.speculative_config, self.runner, self.draft,
+                                                      config.max_num_seqs, self.length_limit)
+        draft = (self.draft.model, self.runner.speculator.drafter.pool) if self.draft else None  # tiers move its K/V too
         self.tiers = attach_tiers(self.kv, config.kv_tiers, self._model_key(), self.format, self.kv_spec,
                                   write_through=config.kv_tier_write_through, fsync=config.kv_tier_fsync,
                                   device=self.device, draft=draft) if config.kv_tiers else None
@@ -101,16 +99,6 @@ class LLMEngine:
         """Everything about the model(s) that changes the cached K/V, for the tiers' key namespace."""
         draft = ModelKey.of(self.draft.model, self.draft.config) if self.draft is not None else None
         return ModelKey.of(self.loaded.model, self.model_config, self.config.weights, draft)
-
-    def _preemption_mode(self) -> str:
-        """swap needs a tier to swap to; by default it is chosen when a KV policy evicts (recompute cannot rebuild a
-        compacted cache) and a host tier exists."""
-        mode, tiers = self.config.preemption_mode, self.config.kv_tiers or []
-        if mode == "swap" and not tiers:
-            raise ConfigError("preemption_mode='swap' needs a KV tier to swap to, e.g. kv_tiers=['host:4GiB']")
-        if mode is None:
-            mode = "swap" if self.policy.evicts and any(t.startswith("host:") for t in tiers) else "recompute"
-        return mode
 
     def _num_blocks(self) -> int:
         c = self.config

@@ -92,7 +92,7 @@ def test_the_engine_plans_with_the_bridge_limit_where_the_bridge_serves(tiny_loa
 
 def test_the_bench_arm_from_before_the_bridge_plans_on_one_line():
     from kvforge.bench.spec import METHODS
-    from kvforge.engine.speculative.config import SpeculativeConfig
+    from kvforge.speculative_config import SpeculativeConfig
 
     c = SpeculativeConfig(**METHODS["ngram_linear"])
     assert StepCost(c.verify_row_cost, BRIDGE_ROWS, c.bridge_jump, c.bridge_row_cost).linear and c.verify_row_cost == 0.055

@@ -10,12 +10,12 @@ import torch
 
 from kvforge.engine.sampler import check_finite, target_probs
 from kvforge.engine.scheduler import ScheduledBatch
-from kvforge.engine.speculative.config import SpeculativeConfig
 from kvforge.engine.speculative.model_drafter import PENDING, ModelDrafter
 from kvforge.engine.speculative.ngram import NgramIndex
 from kvforge.engine.speculative.planner import Candidate, SpeculationPlanner
 from kvforge.engine.speculative.verify import verify_greedy, verify_sampled
 from kvforge.engine.step_cost import StepCost
+from kvforge.speculative_config import SpeculativeConfig
 
 
 class SpeculativeDecoder:
