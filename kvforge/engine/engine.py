@@ -230,7 +230,8 @@ class LLMEngine:
             if seq.request_id in failed:
                 continue
             try:
-                rejected[seq.request_id] = len(batch.drafts(seq)) - (self._append(seq, result, now) - 1)
+                kept = self._append(seq, result, now)  # its accepted drafts and one token of the target's own
+                rejected[seq.request_id] = len(batch.drafts(seq)) - (kept - 1)
             except Exception as e:  # noqa: BLE001 - e.g. the tokenizer failed on this request only
                 failed[seq.request_id] = e
                 rejected[seq.request_id] = len(batch.drafts(seq))  # commit none of its drafts
