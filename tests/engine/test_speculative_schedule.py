@@ -5,6 +5,8 @@ import copy
 import pytest
 from test_speculative import NGRAM, PROMPTS, make, run
 
+from kvforge.sampling_params import SamplingParams
+
 SKIP = {"method": "layer_skip", "num_speculative_tokens": 4, "num_layers": 1}
 
 
@@ -32,7 +34,8 @@ def test_running_a_step_changes_no_request_state(tiny_loaded, monkeypatch, spec)
 
 def test_drafts_that_do_not_fit_the_token_budget_stay_out_of_the_batch(tiny_loaded):
     engine = make(tiny_loaded, NGRAM, max_num_batched_tokens=6)
-    a, b = (engine.add_request(p) for p in PROMPTS[:2])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    a, b = (engine.add_request(p, params) for p in PROMPTS[:2])
     while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     proposed = {a: [1, 2, 3], b: [4, 5, 6]}
