@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvforge.errors import ConfigError
 from kvforge.kv.tiers.parse import TierSpec, parse_tiers
+from kvforge.speculative_config import SpeculativeConfig
 from kvforge.units import parse_size
 
 KV_LAYOUTS = ("paged", "contiguous")
@@ -30,7 +31,8 @@ class EngineConfig:
     kv_policy: str | None = None  # full | window | streaming | h2o | scissorhands | snapkv; None = full
     kv_cache_groups: bool = True  # sliding-window layers in their own KV groups (False: every layer keeps its history)
     kv_policy_options: dict | None = None  # e.g. {"budget": 1024, "sinks": 4}; budget < 1.0 = fraction of the length
-    speculative: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 5}; None = off
+    # e.g. {"method": "ngram", "num_speculative_tokens": 5}, a SpeculativeConfig after __post_init__; None = off
+    speculative: SpeculativeConfig | dict | None = None
     device: str | None = None  # None = cuda when available, else cpu
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh randomness every run
     # tiers below the pool, lookup order: "host:8GiB", "disk:PATH:100GiB", "redis://HOST:PORT"; parsed into TierSpecs
@@ -65,14 +67,13 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(message)
         self._check_tiers()
+        self._check_preemption()
         if not self.enable_chunked_prefill and self.max_model_len and self.max_model_len > self.max_num_batched_tokens:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                               f"({self.max_num_batched_tokens} < {self.max_model_len})")
         if self.model is not None:
             self.model = os.fspath(self.model)
-        from kvforge.engine.spec.config import SpeculativeConfig
-
-        SpeculativeConfig.parse(self.speculative)  # refuse bad options at configuration time
+        self.speculative = SpeculativeConfig.parse(self.speculative)
 
     def _check_tiers(self) -> None:
         self.kv_tiers = parse_tiers(self.kv_tiers)
@@ -81,10 +82,22 @@ class EngineConfig:
         if self.kv_tier_write_through is not None and not isinstance(self.kv_tier_write_through, bool):
             raise ConfigError("kv_tier_write_through must be True, False or None (write-through for disk and Redis, "
                               f"write-back for host), got {self.kv_tier_write_through!r}")
+
+    def _check_preemption(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and self.kv_layout != "paged":
             raise ConfigError("preemption_mode='swap' needs kv_layout='paged'")
+        if self.preemption_mode == "swap" and not self.kv_tiers:
+            raise ConfigError("preemption_mode='swap' needs a KV tier to swap to, e.g. kv_tiers=['host:4GiB']")
+
+    def resolve_preemption_mode(self, policy_evicts: bool) -> str:
+        """The mode as given; by default swap when the KV policy evicts (recompute cannot rebuild a compacted cache)
+        and a host tier exists, else recompute."""
+        if self.preemption_mode is not None:
+            return self.preemption_mode
+        host = any(t.kind == "host" for t in self.kv_tiers or [])
+        return "swap" if policy_evicts and host else "recompute"
 
     def resolve_device(self):
         import torch

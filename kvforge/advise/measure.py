@@ -145,7 +145,7 @@ def measure(loaded, candidates: list[Candidate], text: str, eval_tokens: int = 1
         engine = engine_for(loaded, len(ids), BLOCK_SIZE, **c.options())
         r = perplexity(engine, ids, chunk_size)
         tok_s = _speed(loaded, workload, c.options())
-        per_token = bytes_per_token(engine.spec, engine.format, engine.kv.block_size)
+        per_token = bytes_per_token(engine.kv_spec, engine.format, engine.kv.block_size)
         rows.append(Row(c.name, c.kv_cache_dtype, c.kv_policy, per_token, r["peak_kv_bytes"], r["peak_kv_bytes"] / base["peak_kv_bytes"], r["ppl"],
                         100.0 * (r["ppl"] - base["ppl"]) / base["ppl"], tok_s, tok_s / base_speed))
     ranked = rank(rows, priority, max_quality_loss)

@@ -25,7 +25,7 @@ from kvforge.sampling_params import SamplingParams
 def fill_synthetic(engine: LLMEngine, context: int, batch: int, seed: int = 0) -> None:
     """Admit `batch` requests whose first context-1 tokens are already in the cache (random K/V)."""
     gen = torch.Generator().manual_seed(seed)
-    spec, kv, vocab = engine.spec, engine.kv, engine.model_config.vocab_size
+    spec, kv, vocab = engine.kv_spec, engine.kv, engine.model_config.vocab_size
     for b in range(batch):
         prompt = torch.randint(min(100, vocab // 2), vocab, (context,), generator=gen).tolist()  # past special ids
         rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True))

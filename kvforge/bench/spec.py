@@ -23,7 +23,7 @@ from kvforge.bench.progress import Progress
 from kvforge.bench.timing import Clock
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
-from kvforge.engine.spec.ngram import NgramIndex
+from kvforge.engine.speculative.ngram import NgramIndex
 from kvforge.errors import ConfigError
 from kvforge.eval.texts import load_text
 from kvforge.sampling_params import SamplingParams
@@ -96,10 +96,10 @@ class _CutIndex(NgramIndex):
 class _Arm:
     """One engine (speculation off, or one method) and what it measured over the groups it ran."""
 
-    def __init__(self, loaded, spec: dict | None, batch: int):
-        self.spec = spec
+    def __init__(self, loaded, speculative: dict | None, batch: int):
+        self.speculative = speculative
         self.engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 30, max_num_seqs=batch, enable_prefix_caching=False,
-                                             speculative=spec), loaded)
+                                             speculative=speculative), loaded)
         self.seconds = self.decode_seconds = self.decode_cpu_seconds = 0.0
         self.decode_tokens = 0
         self.outputs: list[list[int]] = []
@@ -138,7 +138,7 @@ class _Arm:
                "decode_seconds": self.decode_seconds, "decode_cpu_seconds": self.decode_cpu_seconds,
                "decode_tok_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
                "decode_tok_per_cpu_s": self.decode_tokens / self.decode_cpu_seconds if self.decode_cpu_seconds else 0.0}
-        if self.spec:
+        if self.speculative:
             s = self.engine.stats()
             row.update({"acceptance_rate": s["spec_acceptance_rate"],
                         "mean_acceptance_length": s["spec_mean_acceptance_length"],

@@ -5,7 +5,7 @@ plain decode steps and verification steps where the sequences carry drafts (copi
 rejected, never committed), every step size once, in alternating order. Medians of the rounds are reported, in
 wall time and in CPU time of the thread (`time.thread_time`, steadier on a shared machine), with the LM head's
 share split out, plus least-squares lines step_cpu = fixed + per_row * rows: the cost model of the adaptive
-speculation planner (engine/spec/step_cost.py). Where the layer bridge serves the model, steps of up to
+speculation planner (engine/step_cost.py). Where the layer bridge serves the model, steps of up to
 BRIDGE_ROWS rows (weights streamed once for all rows) and larger ones (panel tiles) get a line each
 (verify_row_cost = per_row / fixed of the first; bridge_jump and bridge_row_cost place the second in the same
 unit); else one line over every size.
@@ -21,7 +21,6 @@ from kvforge.bench.spec import grounded_prompts
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scheduler import ScheduledBatch
-from kvforge.engine.spec.build import bridge_rows
 from kvforge.errors import ConfigError
 from kvforge.ops.layer_bridge import BRIDGE_ROWS
 from kvforge.sampling_params import SamplingParams
@@ -48,22 +47,21 @@ def verify_cost(loaded, ks: tuple[int, ...] = (1, 3, 5), rounds: int = 9, passag
     for r in range(rounds):
         for size in sizes if r % 2 == 0 else sizes[::-1]:
             step_seqs, drafts = _spread(seqs, size)
+            step = ScheduledBatch(step_seqs, [1 + k for k in drafts],
+                                  draft_token_ids={s.request_id: [s.token_ids[-1]] * k for s, k in zip(step_seqs, drafts) if k})
             for seq, k in zip(step_seqs, drafts):
-                seq.draft_token_ids = [seq.token_ids[-1]] * k
                 engine.kv.allocate_slots(seq, 1 + k)
             with torch.inference_mode():
-                ids, meta, out_rows = runner.build_metadata(ScheduledBatch(step_seqs, [1 + k for k in drafts]))
+                ids, meta, out_rows = runner.build_metadata(step)
                 start, cpu = time.perf_counter(), time.thread_time()
                 hidden = model(ids, meta, engine.kv.pool)
                 body = time.perf_counter()
                 model.compute_logits(hidden[out_rows]).float().argmax(-1).tolist()
                 times[size].append((time.perf_counter() - start, time.perf_counter() - body, time.thread_time() - cpu))
-            for seq in step_seqs:
-                seq.draft_token_ids = []
     plain = batch if batch in times else sizes[0]
     base = statistics.median(w for w, _, _ in times[plain])
     base_cpu = statistics.median(c for _, _, c in times[plain])
-    limit = bridge_rows(model)
+    limit = runner.bridge_rows()
     steps = {f"rows{size}": {"ms": 1e3 * statistics.median(w for w, _, _ in t),
                              "lm_head_ms": 1e3 * statistics.median(h for _, h, _ in t),
                              "cpu_ms": 1e3 * statistics.median(c for _, _, c in t),
@@ -95,7 +93,7 @@ def _spread(seqs: list, size: int) -> tuple[list, list[int]]:
 def _fit(cpu: dict[int, float], limit: int | None) -> dict:
     """The planner's step cost from CPU seconds by step size: one line over every size, and where the bridge serves,
     a line over the bridged sizes (fixed + per_row x rows) and one over the larger ones; the constants in units of the
-    bridged line's fixed cost (verify_row_cost; bridge_jump, bridge_row_cost: engine/spec/step_cost.py)."""
+    bridged line's fixed cost (verify_row_cost; bridge_jump, bridge_row_cost: engine/step_cost.py)."""
     fixed, per_row = _line(list(cpu), list(cpu.values()))
     out = {"cpu_fixed_ms": 1e3 * fixed, "cpu_per_row_ms": 1e3 * per_row,
            "verify_row_cost": per_row / fixed if fixed > 0 else float("inf")}

@@ -14,9 +14,8 @@ from kvforge.engine.host_memory import keep_freed_memory
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
-from kvforge.engine.spec import SpeculativeConfig, SpeculativeDecoder
-from kvforge.engine.spec.build import bridge_rows, build_drafter, load_draft_model
-from kvforge.engine.spec.draft_model import shared_num_blocks
+from kvforge.engine.speculative.build import build_speculator, check_speculation, load_draft_model
+from kvforge.engine.speculative.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
@@ -51,29 +50,30 @@ class LLMEngine:
             self.loaded = int8_loaded(self.loaded)  # its own module tree with int8 linear weights
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        self.spec = cfg.kv_cache_spec()
+        self.kv_spec = cfg.kv_cache_spec()
         self.format = get_format(config.kv_cache_dtype, **(config.kv_cache_options or {}))
-        self.format.validate(self.spec, config.block_size)
+        self.format.validate(self.kv_spec, config.block_size)
         self.layer_windows = cfg.layer_windows()
         self.groups = build_groups(self.layer_windows, config.kv_cache_groups)
         check_tier_groups(config.kv_tiers, self.groups)
         self.policy = build_policy(config.kv_policy, config.kv_policy_options)
         check_policy_groups(self.policy, self.groups)
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
-        self.spec_config = SpeculativeConfig.parse(config.speculative)
-        self.draft = load_draft_model(self.spec_config, self.loaded, self.device, self.max_model_len, self.policy,
-                                      self.format, config.block_size)  # None unless method 'draft'
+        if self.policy.evicts and config.kv_layout != "paged":
+            raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
+        self.speculative_config = config.speculative
+        check_speculation(self.speculative_config, self.loaded.model, self.groups, self.policy)
+        self.draft = load_draft_model(self.speculative_config, self.loaded, self.device, self.max_model_len,
+                                      self.format, config.block_size, self.groups)  # None unless method 'draft'
         for weights in (self.loaded, self.draft):  # packed now: no step stalls for it, free memory counts it
             if weights is not None:
                 prepare_bridge(weights.model)
         num_blocks = self._num_blocks()
-        if self.policy.evicts and config.kv_layout != "paged":
-            raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
-        self.kv = KVCacheManager(self.spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
+        self.kv = KVCacheManager(self.kv_spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
                                  self.max_model_len, prefix, config.max_num_seqs, self.groups)
-        self.preemption_mode = self._preemption_mode()
+        self.preemption_mode = config.resolve_preemption_mode(self.policy.evicts)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    self.preemption_mode)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
@@ -82,12 +82,11 @@ class LLMEngine:
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
-        if self.spec_config:
-            drafter = build_drafter(self.spec_config, self.loaded.model, self.kv, self.draft, config.max_num_seqs)
-            self.runner.speculator = SpeculativeDecoder(self.spec_config, self.length_limit, self.runner.evictor, drafter,
-                                                        bridge_rows(self.loaded.model), self.kv)
+        if self.speculative_config:
+            self.runner.speculator = build_speculator(self.speculative_config, self.runner, self.draft,
+                                                      config.max_num_seqs, self.length_limit)
         if config.kv_tiers:
-            draft_pool = drafter.pool if self.draft is not None else None  # tiers move its K/V too
+            draft_pool = self.runner.speculator.drafter.pool if self.draft is not None else None  # tiers move its K/V too
             self.kv.attach_connector(build_tier_connector(
                 config.kv_tiers, self.groups, self.kv.pool, self._model_key(), self.format,
                 config.kv_tier_write_through, config.kv_tier_fsync, self.device, draft_pool))
@@ -105,16 +104,6 @@ class LLMEngine:
         draft = ModelKey.of(self.draft.model, self.draft.config) if self.draft is not None else None
         return ModelKey.of(self.loaded.model, self.model_config, self.config.weights, draft)
 
-    def _preemption_mode(self) -> str:
-        """swap needs a tier to swap to; by default it is chosen when a KV policy evicts (recompute cannot rebuild a
-        compacted cache) and a host tier exists."""
-        mode, tiers = self.config.preemption_mode, self.config.kv_tiers or []
-        if mode == "swap" and not tiers:
-            raise ConfigError("preemption_mode='swap' needs a KV tier to swap to, e.g. kv_tiers=['host:4GiB']")
-        if mode is None:
-            mode = "swap" if self.policy.evicts and any(t.kind == "host" for t in tiers) else "recompute"
-        return mode
-
     def _num_blocks(self) -> int:
         c = self.config
         budget = c.kv_cache_memory
@@ -122,9 +111,9 @@ class LLMEngine:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
         draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
         if draft_spec is None:
-            num_blocks = num_blocks_for_budget(self.spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
+            num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
         else:  # each block also holds the draft model's K/V of the same tokens
-            num_blocks = shared_num_blocks(self.spec, self.groups, draft_spec, self.format, c.block_size, budget,
+            num_blocks = shared_num_blocks(self.kv_spec, self.groups, draft_spec, self.format, c.block_size, budget,
                                            c.max_num_seqs)
         need = self._blocks_one_sequence(self.max_model_len)
         if num_blocks < need and c.max_model_len is None and num_blocks > 0:
@@ -133,7 +122,7 @@ class LLMEngine:
             if fits:  # the model's full context does not fit: cap it
                 self.max_model_len, need = fits, self._blocks_one_sequence(fits)
         if num_blocks < need or num_blocks == 0:
-            per_block = bytes_per_block(self.spec, self.format, c.block_size, self.groups)
+            per_block = bytes_per_block(self.kv_spec, self.format, c.block_size, self.groups)
             per_block += bytes_per_block(draft_spec, self.format, c.block_size) if draft_spec else 0
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
@@ -224,9 +213,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; returns outputs of requests that produced a token or finished."""
-        if self.runner.speculator:
-            self.runner.speculator.propose(self.scheduler.running)
-        batch = self.scheduler.schedule()
+        drafts = self.runner.speculator.propose(self.scheduler.running) if self.runner.speculator else None
+        batch = self.scheduler.schedule(drafts)
         if not batch:
             return []
         now = time.monotonic()
@@ -240,15 +228,16 @@ class LLMEngine:
         now = time.monotonic()
         emitting = [seq for seq in batch.seqs if seq.request_id in result.tokens or seq.request_id in result.errors]
         failed = dict(result.errors)  # its token could not be sampled: this request fails, not the step
-        rejected = {seq.request_id: len(seq.draft_token_ids) for seq in emitting if seq.request_id in failed}
+        rejected = {seq.request_id: len(batch.drafts(seq)) for seq in emitting if seq.request_id in failed}
         for seq in emitting:
             if seq.request_id in failed:
                 continue
             try:
-                rejected[seq.request_id] = self._append(seq, result, now)
+                kept = self._append(seq, result, now)  # its accepted drafts and one token of the target's own
+                rejected[seq.request_id] = len(batch.drafts(seq)) - (kept - 1)
             except Exception as e:  # noqa: BLE001 - e.g. the tokenizer failed on this request only
                 failed[seq.request_id] = e
-                rejected[seq.request_id] = len(seq.draft_token_ids)  # commit none of its drafts
+                rejected[seq.request_id] = len(batch.drafts(seq))  # commit none of its drafts
         self.commit(batch, result.stats, rejected, uncached=set(result.errors))
         outputs = []
         for seq in emitting:
@@ -282,7 +271,7 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, result, now: float) -> int:
-        """Append seq's emitted tokens up to the first stop; returns how many of its drafts were not kept."""
+        """Append seq's emitted tokens up to the first stop; returns how many it kept."""
         tokens, logprobs = result.tokens[seq.request_id], result.logprobs.get(seq.request_id)
         kept = 0
         for j, token in enumerate(tokens):
@@ -299,7 +288,7 @@ class LLMEngine:
                 seq.metrics.finished_time = now
                 break
         seq.metrics.generated_tokens = seq.num_output_tokens
-        return len(seq.draft_token_ids) - (kept - 1)
+        return kept
 
     def commit(self, batch: ScheduledBatch, stats: AttentionStats | None = None,
                rejected: dict[str, int] | None = None, uncached: set[str] = frozenset()) -> None:

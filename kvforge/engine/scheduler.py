@@ -3,8 +3,10 @@
 The scheduler owns each sequence's num_computed_tokens: it sets it at admission (prefix-cache hit),
 resets it on preemption, and advances it in `update_from_output` once a step's outputs are known.
 Each step gives a sequence min(remaining, token budget) new tokens, so prefill chunks and decodes
-share one batch. Running sequences go first (oldest first); when blocks run out the newest running
-sequence is preempted: its blocks are freed and it returns to the front of the queue.
+share one batch; the drafts proposed for a decoding sequence count as new tokens and those that fit
+travel in the step's batch (`ScheduledBatch.draft_token_ids`), never on the sequence. Running
+sequences go first (oldest first); when blocks run out the newest running sequence is preempted:
+its blocks are freed (or swapped to a tier) and it returns to the front of the queue.
 """
 from __future__ import annotations
 
@@ -19,12 +21,32 @@ LOAD_WAIT_S = 0.05
 
 @dataclass
 class ScheduledBatch:
+    """What one step runs: each sequence's new tokens, the drafted tokens among them (vLLM v1's
+    scheduled_spec_decode_tokens) and the sequences preempted to make room."""
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> drafts this step verifies
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
+
+    def add(self, seq: Sequence, num_new_tokens: int, drafts: list[int] | None = None) -> None:
+        """seq runs num_new_tokens this step; the drafts that fit in them (after its real tokens) come along."""
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        fit = num_new_tokens - (seq.num_tokens - seq.num_computed_tokens)
+        if drafts and fit > 0:
+            self.draft_token_ids[seq.request_id] = list(drafts[:fit])
+
+    def drafts(self, seq: Sequence) -> list[int]:
+        return self.draft_token_ids.get(seq.request_id, [])
+
+    def drafting(self) -> ScheduledBatch:
+        """The sequences that verify drafts, with their last token and drafts as new tokens."""
+        seqs = [seq for seq in self.seqs if seq.request_id in self.draft_token_ids]
+        return ScheduledBatch(seqs, [1 + len(self.draft_token_ids[seq.request_id]) for seq in seqs],
+                              draft_token_ids={seq.request_id: self.draft_token_ids[seq.request_id] for seq in seqs})
 
 
 class Scheduler:
@@ -47,7 +69,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> ScheduledBatch:
+        """The next step's batch. drafts: request id -> tokens proposed for a decoding sequence to verify (those
+        that do not fit the token budget are dropped)."""
+        drafts = drafts or {}
         if self.loading:
             self._finish_loads()
         batch = ScheduledBatch()
@@ -55,7 +80,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._num_new_tokens(seq, budget)
+            proposed = drafts.get(seq.request_id)
+            n = self._num_new_tokens(seq, budget, len(proposed) if proposed else 0)
             if n == 0:
                 i += 1
                 continue
@@ -65,8 +91,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
+                batch.add(seq, n, proposed)
                 budget -= n
                 i += 1
         if not batch.preempted:
@@ -100,8 +125,7 @@ class Scheduler:
             seq.metrics.cached_tokens = max(seq.metrics.cached_tokens, seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
 
     def _ready_first(self) -> bool:
@@ -125,8 +149,8 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens
+    def _num_new_tokens(self, seq: Sequence, budget: int, num_drafts: int = 0) -> int:
+        remaining = seq.num_tokens + num_drafts - seq.num_computed_tokens
         # without chunked prefill a sequence runs whole, unless it is longer than any step (a long recompute)
         if remaining > budget and not self.chunked_prefill and remaining <= self.max_num_batched_tokens:
             return 0
@@ -134,7 +158,6 @@ class Scheduler:
         aligned = self.kv.align_chunk(seq, n)  # staged formats: prefill chunks end on block boundaries, so a
         if aligned > 0 or budget < self.max_num_batched_tokens:  # prompt is read the same however it is cut
             n = aligned  # (0: wait for a step with room; a step that never has room cuts anywhere)
-        del seq.draft_token_ids[max(0, n - 1):]  # drafts that do not fit this step are dropped
         return n
 
     def update_from_output(self, batch: ScheduledBatch, rejected: dict[str, int] | None = None) -> None:
@@ -142,17 +165,13 @@ class Scheduler:
         (the one place num_computed_tokens moves forward, so a rollback is one subtraction here)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n - (rejected or {}).get(seq.request_id, 0)
-            seq.draft_token_ids = []
 
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.draft_token_ids = []
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        if self.preemption_mode == "swap" and self.kv.swap_out(seq):
-            seq.draft_token_ids = []
-        else:
+        if not (self.preemption_mode == "swap" and self.kv.swap_out(seq)):
             self.recomputed_tokens += seq.num_computed_tokens
             self._release(seq)
         seq.status = SequenceStatus.WAITING

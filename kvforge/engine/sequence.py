@@ -27,7 +27,6 @@ class Sequence:
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V were computed; the scheduler owns it
-        self.draft_token_ids: list[int] = []  # speculative tokens to verify in the coming step
         self.finish_reason: str | None = None
         self.stop_text_len: int | None = None  # text is cut here when a stop string matched
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_token_ids))

@@ -94,7 +94,7 @@ def panel_eval(loaded, variants: list[Variant], texts: list[str] | None = None, 
 
 def _score(loaded, ids: list[int], options: dict) -> tuple[dict, float]:
     engine = engine_for(loaded, len(ids), **options)
-    return perplexity(engine, ids), bytes_per_token(engine.spec, engine.format, engine.kv.block_size)
+    return perplexity(engine, ids), bytes_per_token(engine.kv_spec, engine.format, engine.kv.block_size)
 
 
 def _row(text: str, variant: str, r: dict, base_ppl: float, requested: int, bpt: float) -> dict:

@@ -8,6 +8,8 @@ in one RequestKV per request id. KV that moves to and from anything else (tiers,
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kvforge.kv.blocks import BlockAllocator
@@ -49,7 +51,7 @@ class KVCacheManager(StagingWindows):
         self.peak_blocks_used = 0
         self.prefix_short_prompts = 0  # prompts of at most one block: nothing of them can ever be cached
         self.connector: KVConnector | None = None  # moves blocks to and from tiers (attach_connector)
-        self.transfers = ConnectorTransfers(self)
+        self.transfers = ConnectorTransfers(weakref.proxy(self))  # no cycle: the pool goes when the manager does
 
     @property
     def num_blocks(self) -> int:
@@ -277,7 +279,8 @@ class KVCacheManager(StagingWindows):
     def attach_connector(self, connector: KVConnector) -> None:
         self.connector = connector
         if self.prefix_tree is not None and connector.stores_reclaimed:
-            self.prefix_tree.on_reclaim = self._store_reclaimed
+            manager = weakref.proxy(self)  # the tree is the manager's: no cycle back to it
+            self.prefix_tree.on_reclaim = lambda node: manager._store_reclaimed(node)
 
     def _store_reclaimed(self, node) -> None:
         salt, tokens = self.prefix_tree.path(node)

@@ -54,7 +54,7 @@ def measure_quality(ctx: LabContext, p: dict) -> dict:
     r = perplexity(engine, ids)
     policy = ["--kv-policy", p["policy"], "--budget", p["budget"]] if p["policy"] else []
     return {"ppl": r["ppl"], "peak_kv_bytes": r["peak_kv_bytes"], "tokens": r["tokens"],
-            "kv_bytes_per_token": bytes_per_token(engine.spec, engine.format, engine.kv.block_size),
+            "kv_bytes_per_token": bytes_per_token(engine.kv_spec, engine.format, engine.kv.block_size),
             "command": _command(ctx, "eval", "ppl", *text_args, "--max-tokens", len(ids),
                                 *_format_flags(p["format"]), *policy, "--agreement-prompts", 0, "--json")}
 

@@ -54,7 +54,7 @@ def test_sliding_group_holds_its_window_only(hybrid):
                                          kv_cache_groups=g), loaded) for g in (True, False)}
     for groups, engine in engines.items():
         kv = engine.kv
-        assert kv.pool.allocated_bytes() == pool_bytes(engine.spec, engine.format, 4, kv.num_blocks, 64, kv.groups)
+        assert kv.pool.allocated_bytes() == pool_bytes(engine.kv_spec, engine.format, 4, kv.num_blocks, 64, kv.groups)
         rid = engine.add_request(list(range(1, 11)), SamplingParams(temperature=0, max_tokens=70, ignore_eos=True))
         seq = engine.requests[rid]
         while engine.has_unfinished_requests():
@@ -63,14 +63,14 @@ def test_sliding_group_holds_its_window_only(hybrid):
                 break
             n = seq.num_computed_tokens
             assert kv.allocator.num_used == blocks_for_sequence(n, 4, kv.groups)
-            assert kv.allocator.num_used * kv.block_bytes == bytes_for_sequence(engine.spec, engine.format, n, 4, kv.groups)
+            assert kv.allocator.num_used * kv.block_bytes == bytes_for_sequence(engine.kv_spec, engine.format, n, 4, kv.groups)
             if groups:
                 sliding = kv.block_table(seq, 1)
                 assert sliding.count(NULL_BLOCK) == max(0, n - 1 - 12 + 1) // 4
                 assert len(sliding) - sliding.count(NULL_BLOCK) <= 12 // 4 + 1
         assert kv.allocator.num_used == 0
     n = 80
-    grouped, full = (bytes_for_sequence(e.spec, e.format, n, 4, e.kv.groups) for e in engines.values())
+    grouped, full = (bytes_for_sequence(e.kv_spec, e.format, n, 4, e.kv.groups) for e in engines.values())
     # window 12: the query at 79 sees 68..79, blocks 17..19; every block is 2 layer slots (groups) or 4
     assert grouped == (20 + 3) * 2 * 4 * 2 * 2 * 16 * 4 and full == 20 * 4 * 4 * 2 * 2 * 16 * 4
 
@@ -153,7 +153,7 @@ def test_every_format_works_per_group(hybrid, fmt):
         engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=8, kv_cache_dtype=fmt, max_num_seqs=2,
                                         kv_cache_options=options, kv_cache_groups=groups), loaded)  # 8 > 4 sinks
         kv = engine.kv
-        assert kv.pool.allocated_bytes() == pool_bytes(engine.spec, engine.format, 8, kv.num_blocks, 2, kv.groups)
+        assert kv.pool.allocated_bytes() == pool_bytes(engine.kv_spec, engine.format, 8, kv.num_blocks, 2, kv.groups)
         logits.append(position_logits(engine, TOKENS, chunk_size=8))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
 

@@ -21,7 +21,7 @@ def engine(loaded, fmt, opts, caching, blocks=None):
     e = LLMEngine(EngineConfig(**kw), loaded)
     if blocks is None:
         return e
-    kw["kv_cache_memory"] = pool_bytes(e.spec, e.format, 8, blocks, e.config.max_num_seqs)
+    kw["kv_cache_memory"] = pool_bytes(e.kv_spec, e.format, 8, blocks, e.config.max_num_seqs)
     return LLMEngine(EngineConfig(**kw), loaded)
 
 

@@ -103,9 +103,9 @@ def test_unusable_logits_while_verifying_drafts_fail_that_request_only(tiny_load
     engine = make_engine(tiny_loaded, speculative={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
     verify, verified = engine.runner.speculator.verify, []
 
-    def nan_for_r(seq, logits):
+    def nan_for_r(seq, logits, drafts):
         verified.append(seq.request_id)
-        return verify(seq, torch.full_like(logits, float("nan")) if seq.request_id == "r" else logits)
+        return verify(seq, torch.full_like(logits, float("nan")) if seq.request_id == "r" else logits, drafts)
 
     monkeypatch.setattr(engine.runner.speculator, "verify", nan_for_r)
     finals = run(engine, {"r": (D, params), "b": (B, GREEDY)})

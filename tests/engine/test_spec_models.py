@@ -86,7 +86,7 @@ def test_draft_kv_shares_the_one_budget(tiny_loaded, other_draft_dir):
     e = make(tiny_loaded, draft_spec(other_draft_dir), kv_cache_memory=budget, kv_cache_dtype="int4",
              kv_cache_options={"group_size": 16})
     pool, draft_pool = e.kv.pool, e.runner.speculator.drafter.pool
-    target_spec, d_spec, bs, n = e.spec, e.draft.config.kv_cache_spec(), 8, e.kv.num_blocks
+    target_spec, d_spec, bs, n = e.kv_spec, e.draft.config.kv_cache_spec(), 8, e.kv.num_blocks
     per_block = bytes_per_block(target_spec, e.format, bs) + bytes_per_block(d_spec, e.format, bs)
     sides = side_bytes(target_spec, e.format, bs, e.config.max_num_seqs) + side_bytes(d_spec, e.format, bs,
                                                                                       e.config.max_num_seqs)

@@ -6,8 +6,8 @@ import torch
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
-from kvforge.engine.spec.ngram import propose_ngram
-from kvforge.engine.spec.verify import verify_greedy, verify_sampled
+from kvforge.engine.speculative.ngram import propose_ngram
+from kvforge.engine.speculative.verify import verify_greedy, verify_sampled
 from kvforge.errors import ConfigError
 from kvforge.kv.memory import pool_bytes
 from kvforge.sampling_params import SamplingParams
@@ -23,7 +23,7 @@ def make(loaded, spec, blocks=None, **kw):
                "speculative": spec, **kw}
     e = LLMEngine(EngineConfig(**options), loaded)
     if blocks is not None:
-        options["kv_cache_memory"] = pool_bytes(e.spec, e.format, 8, blocks, e.config.max_num_seqs)
+        options["kv_cache_memory"] = pool_bytes(e.kv_spec, e.format, 8, blocks, e.config.max_num_seqs)
         e = LLMEngine(EngineConfig(**options), loaded)
     return e
 

@@ -3,7 +3,7 @@ import pytest
 from test_speculative import PROMPTS, make, run
 
 from kvforge.config import EngineConfig
-from kvforge.engine.spec.planner import PRIOR_ACCEPTANCE, Candidate, SpeculationPlanner
+from kvforge.engine.speculative.planner import PRIOR_ACCEPTANCE, Candidate, SpeculationPlanner
 from kvforge.errors import ConfigError
 
 
@@ -127,7 +127,7 @@ def _lookup_by_scan(ids, k, min_n, max_n):
 def test_the_incremental_ngram_index_proposes_what_a_full_scan_does():
     import random
 
-    from kvforge.engine.spec.ngram import NgramIndex
+    from kvforge.engine.speculative.ngram import NgramIndex
     rng = random.Random(0)
     for min_n, max_n in ((1, 3), (2, 4), (3, 3)):
         ids = [rng.randrange(4) for _ in range(3)]

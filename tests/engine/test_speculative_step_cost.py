@@ -2,9 +2,8 @@
 import pytest
 from test_speculative import make, run
 
-from kvforge.engine.spec.build import bridge_rows
-from kvforge.engine.spec.planner import Candidate, SpeculationPlanner
-from kvforge.engine.spec.step_cost import StepCost
+from kvforge.engine.speculative.planner import Candidate, SpeculationPlanner
+from kvforge.engine.step_cost import StepCost
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.ops.build import load_compiled
 from kvforge.ops.layer_bridge import BRIDGE_ROWS
@@ -83,15 +82,17 @@ def test_the_engine_plans_with_the_bridge_limit_where_the_bridge_serves(tiny_loa
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "bridge_jump": 0.5}
     engine = make(tiny_loaded, spec)
     cost = engine.runner.speculator.planner.cost
-    assert bridge_rows(tiny_loaded.model) == cost.limit == BRIDGE_ROWS and not cost.linear
+    assert engine.runner.bridge_rows() == cost.limit == BRIDGE_ROWS and not cost.linear
+    assert cost == engine.runner.step_cost(0.09, 0.5, 0.09)  # the runner's table, with the configured constants
     assert [o.token_ids for o in run(engine)] == [o.token_ids for o in run(make(tiny_loaded, None))]
     monkeypatch.setattr(LlamaForCausalLM, "use_bridge", False)
-    assert bridge_rows(tiny_loaded.model) is None and make(tiny_loaded, spec).runner.speculator.planner.cost.linear
+    per_op = make(tiny_loaded, spec)
+    assert per_op.runner.bridge_rows() is None and per_op.runner.speculator.planner.cost.linear
 
 
 def test_the_bench_arm_from_before_the_bridge_plans_on_one_line():
     from kvforge.bench.spec import METHODS
-    from kvforge.engine.spec.config import SpeculativeConfig
+    from kvforge.speculative_config import SpeculativeConfig
 
     c = SpeculativeConfig(**METHODS["ngram_linear"])
     assert StepCost(c.verify_row_cost, BRIDGE_ROWS, c.bridge_jump, c.bridge_row_cost).linear and c.verify_row_cost == 0.055

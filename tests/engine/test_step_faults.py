@@ -102,11 +102,13 @@ def test_postprocessing_fault_fails_that_request_only(tiny_dir, reference, monke
     engine.add_request(B, GREEDY, "b")
     engine.add_request(R, GREEDY, "r")
     check_stop = engine_module.check_stop
-    drafts = []
+    drafts, batches = [], []
+    execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda batch: batches.append(batch) or execute(batch))
 
     def flaky(seq, *args):
         if seq.request_id == "b" and seq.num_output_tokens == 5:
-            drafts.append(len(seq.draft_token_ids))
+            drafts.append(len(batches[-1].drafts(seq)))
             raise Boom("detokenizer broke")
         return check_stop(seq, *args)
 

@@ -17,12 +17,12 @@ def test_engine_pool_bytes_equal_formula(tiny_loaded, dtype):
     engine = LLMEngine(EngineConfig(kv_cache_memory=budget, kv_cache_dtype=dtype, kv_cache_options=options, block_size=16,
                                     max_num_seqs=4, max_model_len=128), tiny_loaded)
     kv = engine.kv
-    expected = pool_bytes(engine.spec, engine.format, 16, kv.num_blocks, 4)
+    expected = pool_bytes(engine.kv_spec, engine.format, 16, kv.num_blocks, 4)
     assert kv.pool.allocated_bytes() == expected <= budget
-    assert budget - expected < bytes_per_block(engine.spec, engine.format, 16)  # the budget is used, to one block
-    assert kv.block_bytes == bytes_per_block(engine.spec, engine.format, 16)
+    assert budget - expected < bytes_per_block(engine.kv_spec, engine.format, 16)  # the budget is used, to one block
+    assert kv.block_bytes == bytes_per_block(engine.kv_spec, engine.format, 16)
     if dtype in ("fp32", "fp16", "bf16"):
-        assert side_bytes(engine.spec, engine.format, 16, 4) == 0
+        assert side_bytes(engine.kv_spec, engine.format, 16, 4) == 0
         assert kv.block_bytes == 16 * 2 * 2 * 16 * 2 * {"fp32": 4, "fp16": 2, "bf16": 2}[dtype]
 
 

@@ -90,11 +90,11 @@ def test_pool_bytes_equal_the_formula(fmt, tiny):
     directory, _ = tiny("deepseek-v2")
     engine = _engine(directory, kv_cache_dtype=fmt)
     latent = MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]
-    assert (engine.spec.num_kv_heads, engine.spec.head_dim, engine.spec.has_values) == (1, latent, False)
+    assert (engine.kv_spec.num_kv_heads, engine.kv_spec.head_dim, engine.kv_spec.has_values) == (1, latent, False)
     pool = engine.kv.pool
-    assert pool.allocated_bytes() == pool.num_blocks * bytes_per_block(engine.spec, engine.format, 4)
+    assert pool.allocated_bytes() == pool.num_blocks * bytes_per_block(engine.kv_spec, engine.format, 4)
     if fmt == "fp32":
-        assert bytes_per_token(engine.spec, engine.format, 4) == 1 * 2 * latent * 4
+        assert bytes_per_token(engine.kv_spec, engine.format, 4) == 1 * 2 * latent * 4
 
 
 def test_unsupported_rope_scaling_is_a_load_error(tiny):

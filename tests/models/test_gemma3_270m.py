@@ -140,7 +140,7 @@ def test_a_4096_token_sequence_holds_the_rows_of_the_formula(llm):
                                     max_model_len=4098),
                        llm.engine.loaded)
     kv = engine.kv
-    assert kv.pool.allocated_bytes() == pool_bytes(engine.spec, engine.format, 16, kv.num_blocks, 1, kv.groups)
+    assert kv.pool.allocated_bytes() == pool_bytes(engine.kv_spec, engine.format, 16, kv.num_blocks, 1, kv.groups)
     prompt = torch.randint(10, 200_000, (4095,), generator=torch.Generator().manual_seed(0)).tolist()
     seq = engine.requests[engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))]
     while seq.num_computed_tokens < 4096:
@@ -151,7 +151,7 @@ def test_a_4096_token_sequence_holds_the_rows_of_the_formula(llm):
         rows["sliding" if group.sliding else "full"] += len(held) * 16 * len(group.layers)
     assert rows == {"full": 3 * 4096, "sliding": 15 * 512}
     assert kv.allocator.num_used == blocks_for_sequence(4096, 16, kv.groups) == 256 + 5 * 32
-    assert kv.allocator.num_used * kv.block_bytes == bytes_for_sequence(engine.spec, engine.format, 4096, 16, kv.groups)
+    assert kv.allocator.num_used * kv.block_bytes == bytes_for_sequence(engine.kv_spec, engine.format, 4096, 16, kv.groups)
     while engine.has_unfinished_requests():
         engine.step()
     assert kv.allocator.num_used == 0

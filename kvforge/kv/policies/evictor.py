@@ -37,8 +37,9 @@ class Evictor:
         distance changes (see compact)."""
         return range(seq.num_computed_tokens, seq.num_computed_tokens + num_new)
 
-    def stats_request(self, seqs, num_new: list[int]) -> AttentionStats | None:
-        """What attention this step must record: how many trailing query rows of each sequence."""
+    def stats_request(self, seqs, num_new: list[int], num_drafts: list[int] | None = None) -> AttentionStats | None:
+        """What attention this step must record: how many trailing query rows of each sequence (num_drafts: how many
+        of each one's new tokens are drafts, which verification may reject)."""
         if not self.policy.needs_attention:
             return None
         rows = {i: self.policy.attention_rows(self.view(s), n) for i, (s, n) in enumerate(zip(seqs, num_new))}
@@ -48,7 +49,8 @@ class Evictor:
         if not self.policy.per_layer:
             return AttentionStats(rows, query_heads=self.policy.query_heads)
         # queries that are not drafts are never rolled back: a policy that only sums queries sums them at once
-        settled = {i: max(0, r - len(seqs[i].draft_token_ids)) for i, r in rows.items()} if self.policy.sums_queries else {}
+        drafts = num_drafts or [0] * len(seqs)
+        settled = {i: max(0, r - drafts[i]) for i, r in rows.items()} if self.policy.sums_queries else {}
         return AttentionStats(rows, per_layer=True, settled=settled, query_heads=self.policy.query_heads)
 
     def after_step(self, seqs, stats: AttentionStats | None, rejected: dict[str, int] | None = None) -> None:

@@ -1,4 +1,7 @@
-"""SpeculativeDecoder: drafts before a step (as many as the planner allows), verifies after it, counts."""
+"""SpeculativeDecoder: proposes drafts before a step (as many as the planner allows), verifies after it, counts.
+
+Drafts never sit on a sequence: `propose` returns them to the engine, the scheduler puts those that fit in the
+step's batch, a model drafter fills its reserved positions there, and verification reads them from there."""
 from __future__ import annotations
 
 import time
@@ -7,19 +10,19 @@ import torch
 
 from kvforge.engine.sampler import check_finite, target_probs
 from kvforge.engine.scheduler import ScheduledBatch
-from kvforge.engine.spec.config import SpeculativeConfig
-from kvforge.engine.spec.model_drafter import PENDING, ModelDrafter
-from kvforge.engine.spec.ngram import NgramIndex
-from kvforge.engine.spec.planner import Candidate, SpeculationPlanner
-from kvforge.engine.spec.step_cost import StepCost
-from kvforge.engine.spec.verify import verify_greedy, verify_sampled
+from kvforge.engine.speculative.model_drafter import PENDING, ModelDrafter
+from kvforge.engine.speculative.ngram import NgramIndex
+from kvforge.engine.speculative.planner import Candidate, SpeculationPlanner
+from kvforge.engine.speculative.verify import verify_greedy, verify_sampled
+from kvforge.engine.step_cost import StepCost
+from kvforge.speculative_config import SpeculativeConfig
 
 
 class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, length_limit: int, evictor=None, drafter: ModelDrafter | None = None,
-                 bridge_rows: int | None = None, kv=None):
+                 step_cost: StepCost | None = None, kv=None):
         """drafter: the model that drafts (layer_skip, draft); None drafts by prompt lookup (ngram).
-        bridge_rows: most rows of a step the target runs through the layer bridge (None: it does not).
+        step_cost: the target's cost of a step by rows, from the model runner (None: verify_row_cost per row).
         kv: the KV cache manager, whose staged formats bound drafts to the block being filled (`draft_room`)."""
         self.config, self.length_limit, self.evictor, self.drafter = config, length_limit, evictor, drafter
         self.kv = kv
@@ -32,20 +35,19 @@ class SpeculativeDecoder:
         self.draft_seconds = 0.0
         self.ngrams: dict[str, NgramIndex] = {}  # each running sequence's n-gram index (method ngram)
         self.num_skipped_batch_size = 0  # sequence-steps without drafts because disable_by_batch_size was reached
-        cost = StepCost(config.verify_row_cost, bridge_rows, config.bridge_jump, config.bridge_row_cost)
+        cost = step_cost if step_cost is not None else StepCost(config.verify_row_cost)
         self.planner = SpeculationPlanner(cost, config.acceptance_smoothing, config.probe_interval,
                                           config.max_probe_interval, drafter.cost_fraction if drafter else 0.0
                                           ) if config.adaptive else None
 
-    def propose(self, running: list) -> None:
-        """Set each decoding sequence's draft_token_ids for the coming step (empty when it should not draft).
-        A model drafter reserves PENDING positions here; `draft` fills those the scheduler kept."""
+    def propose(self, running: list) -> dict[str, list[int]]:
+        """Drafts of each decoding sequence that should draft in the coming step, by request id. A model drafter's
+        are PENDING positions; `draft` chooses the tokens of those the scheduler kept."""
         start = time.perf_counter()
         c = self.config
         active = len(running) < c.disable_by_batch_size
         num_decoding, offers = 0, []
         for seq in running:
-            seq.draft_token_ids = []
             if seq.num_computed_tokens != seq.num_tokens - 1:
                 continue  # still prefilling
             num_decoding += 1
@@ -75,23 +77,21 @@ class SpeculativeDecoder:
             self.planner.retain({seq.request_id for seq in running})
             plan = self.planner.plan([Candidate(seq.request_id, len(d)) for seq, d in offers], num_decoding)
             offers = [(seq, d[:plan[seq.request_id]]) for seq, d in offers]
-        for seq, drafts in offers:
-            seq.draft_token_ids = drafts
         self.draft_seconds += time.perf_counter() - start
+        return {seq.request_id: drafts for seq, drafts in offers if drafts}
 
     def new_index(self, seq) -> NgramIndex:
         """The n-gram index of a sequence that starts drafting by prompt lookup (`bench spec` swaps in its ceiling)."""
         return NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
-    def draft(self, batch: ScheduledBatch, runner) -> None:
-        """After scheduling: the model drafter chooses the tokens of the positions the step reserved."""
-        seqs = [seq for seq in batch.seqs if seq.draft_token_ids]
-        if self.drafter is None or not seqs:
-            return
+    def draft(self, batch: ScheduledBatch, meta, device: torch.device) -> dict[str, list[int]]:
+        """After scheduling: the model drafter's tokens for the positions the step reserved. batch: the sequences with
+        drafts, each running its last token and drafts; meta: those rows as the target will run them."""
         start = time.perf_counter()
-        _, meta, _ = runner.build_metadata(ScheduledBatch(seqs, [1 + len(seq.draft_token_ids) for seq in seqs]))
-        self.drafter.draft(seqs, meta, runner.device)
+        drafted = self.drafter.draft([seq.token_ids[-1] for seq in batch.seqs],
+                                     [len(batch.drafts(seq)) for seq in batch.seqs], meta, device)
         self.draft_seconds += time.perf_counter() - start
+        return {seq.request_id: tokens for seq, tokens in zip(batch.seqs, drafted)}
 
     def observe(self, input_ids: torch.Tensor, meta) -> None:
         """The target ran a forward: a drafter with its own cache mirrors it."""
@@ -105,9 +105,8 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.rollback(seq, kv.cache_len(seq), kv.block_table(seq), kv.block_size)
 
-    def verify(self, seq, logits: torch.Tensor) -> list[int]:
+    def verify(self, seq, logits: torch.Tensor, drafts: list[int]) -> list[int]:
         """logits [len(drafts) + 1, vocab] of seq's last rows -> the tokens it emits this step."""
-        drafts = seq.draft_token_ids
         check_finite(logits)
         if seq.params.greedy:
             out = verify_greedy(logits, drafts)

@@ -24,17 +24,20 @@ class ModelDrafter:
         self.forward, self.compute_logits, self.cost_fraction = forward, compute_logits, cost_fraction
 
     @torch.inference_mode()
-    def draft(self, seqs: list, meta: AttentionMetadata, device: torch.device) -> None:
-        """meta: the rows (positions, slots, context) of each seq's last token and drafts, as the target
-        will run them; fills each seq's PENDING draft_token_ids in place."""
-        last = [seq.token_ids[-1] for seq in seqs]
-        for j in range(max(len(seq.draft_token_ids) for seq in seqs)):
-            active = [i for i, seq in enumerate(seqs) if len(seq.draft_token_ids) > j]
+    def draft(self, last_tokens: list[int], num_drafts: list[int], meta: AttentionMetadata,
+              device: torch.device) -> list[list[int]]:
+        """Each sequence's num_drafts tokens after its last token. meta: the rows (positions, slots, context) of each
+        sequence's last token and drafts, as the target will run them."""
+        last, drafted = list(last_tokens), [[] for _ in num_drafts]
+        for j in range(max(num_drafts)):
+            active = [i for i, k in enumerate(num_drafts) if k > j]
             step = _row_metadata(meta, active, j)
             hidden = self.forward(torch.tensor([last[i] for i in active], dtype=torch.long, device=device), step)
             tokens = self.compute_logits(hidden).argmax(-1).tolist()
             for i, token in zip(active, tokens):
-                seqs[i].draft_token_ids[j] = last[i] = token
+                drafted[i].append(token)
+                last[i] = token
+        return drafted
 
     def observe(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
         """The target ran a forward over these rows; a drafter with its own cache mirrors it."""

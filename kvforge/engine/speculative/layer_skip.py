@@ -13,16 +13,19 @@ import inspect
 
 import torch
 
-from kvforge.engine.spec.model_drafter import ModelDrafter
+from kvforge.engine.speculative.model_drafter import ModelDrafter
 from kvforge.errors import ConfigError
 from kvforge.kv.pool import KVPool
 
 
+def check_layer_skip(model: torch.nn.Module) -> None:
+    if "layers" not in inspect.signature(model.forward).parameters:
+        raise ConfigError(f"speculative layer_skip needs a model that can run a subset of its layers; "
+                          f"{type(model).__name__} cannot (supported: the llama family)")
+
+
 class LayerSkipDrafter(ModelDrafter):
     def __init__(self, model: torch.nn.Module, layers: tuple[int, ...], pool: KVPool):
-        if "layers" not in inspect.signature(model.forward).parameters:
-            raise ConfigError(f"speculative layer_skip needs a model that can run a subset of its layers; "
-                              f"{type(model).__name__} cannot (supported: the llama family)")
         self.layers = layers
         super().__init__(lambda ids, meta: model(ids, meta, pool, layers=layers), model.compute_logits,
                          len(layers) / len(model.model.layers))

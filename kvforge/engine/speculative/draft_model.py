@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from kvforge.attention import AttentionMetadata
-from kvforge.engine.spec.model_drafter import ModelDrafter
+from kvforge.engine.speculative.model_drafter import ModelDrafter
 from kvforge.errors import ConfigError, TokenizerMismatchError
 from kvforge.kv.groups import KVGroup
 from kvforge.kv.layer_format import KVFormat

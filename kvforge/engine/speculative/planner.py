@@ -4,7 +4,7 @@ Each sequence keeps `rate`, an exponential moving average of its per-position ac
 draft is accepted given that the drafts before it were), updated from every position verification judged.
 A step's cost grows with its rows, T(rows) = 1 + verify_row_cost * rows, in units of the step's fixed cost
 (weights read once, Python per step), up to the layer bridge's row limit; above it a step pays a jump and rows
-at another rate (engine/spec/step_cost.py). A step of B decoding sequences emits B tokens plus the accepted
+at another rate (engine/step_cost.py). A step of B decoding sequences emits B tokens plus the accepted
 drafts, and the j-th draft of a sequence adds rate**j expected tokens for one row (plus the drafter's own work per
 row and per draft depth, for model drafters). The planner adds draft rows in order of expected tokens while one
 more row raises expected tokens per unit of cost; since the bar rises with every row taken and the offers
@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from kvforge.engine.spec.step_cost import StepCost
+from kvforge.engine.step_cost import StepCost
 
 PRIOR_ACCEPTANCE = 0.5  # the rate of a sequence that has not been verified yet
 
@@ -44,7 +44,7 @@ class Candidate:
 class SpeculationPlanner:
     def __init__(self, row_cost: float | StepCost, smoothing: float, probe_interval: int, max_probe_interval: int,
                  draft_fraction: float = 0.0):
-        """row_cost: the step cost (engine/spec/step_cost.py), or one line's cost of a row;
+        """row_cost: the step cost (engine/step_cost.py), or one line's cost of a row;
         draft_fraction: a drafted token's drafter work as a fraction of a target row (0 for prompt lookup);
         each draft depth then also costs draft_fraction of a step's fixed cost (one drafter forward)."""
         self.cost = row_cost if isinstance(row_cost, StepCost) else StepCost(row_cost)

@@ -1,4 +1,4 @@
-"""SpeculativeConfig: the `speculative` engine option, in the shape vLLM users know."""
+"""SpeculativeConfig: the `speculative` engine option, in the shape vLLM users know; EngineConfig parses it once."""
 from __future__ import annotations
 
 import math
@@ -19,12 +19,13 @@ class SpeculativeConfig:
     num_speculative_tokens: most tokens drafted per sequence and step.
     prompt_lookup_min / prompt_lookup_max: n-gram lengths tried, longest first (ngram).
     disable_by_batch_size: no drafting while this many sequences run (verification then costs more than it saves).
-    adaptive: plan each step's drafts from each sequence's acceptance and the batch (engine/spec/planner.py);
+    adaptive: plan each step's drafts from each sequence's acceptance and the batch (engine/speculative/planner.py);
     False drafts num_speculative_tokens for every sequence whenever the drafter has them.
     verify_row_cost: the planner's cost of one more row in a step, as a fraction of a step's fixed cost
     (`kvforge bench spec --verify-cost` fits it on a machine; the default is this project's CPU measurement).
     bridge_jump / bridge_row_cost: where the layer bridge serves the model, a step of more rows than it takes
-    (BRIDGE_ROWS) costs 1 + bridge_jump + bridge_row_cost x rows in the same unit (fitted by the same command).
+    (the model runner's row limit, ModelRunner.step_cost) costs 1 + bridge_jump + bridge_row_cost x rows in the same
+    unit (fitted by the same command).
     acceptance_smoothing: weight of each verified draft position in a sequence's moving-average acceptance (0.5:
     text moves in and out of repeating its context within a few steps; chosen on grounded prompts of three texts,
     confirmed on three others, docs/results.md).

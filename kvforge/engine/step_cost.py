@@ -1,10 +1,9 @@
 """StepCost: what the target's forward of one step costs for its number of query rows, in units of a step's fixed cost.
 
-Steps of up to `limit` rows run each layer through the compiled layer bridge streaming every weight once for all
-rows (kvforge.ops.layer_bridge.BRIDGE_ROWS, when the bridge serves the model): T(rows) = 1 + row_cost * rows.
-Larger steps take panel tiles (the bridge on the weights' panel copies, the per-op path beyond WIDE_ROWS):
-T(rows) = 1 + jump + row_cost_above * rows. Without a limit (no bridge) a step costs the first line at any size.
-`kvforge bench spec --verify-cost` fits the three constants.
+The model runner makes it (`ModelRunner.step_cost`), as it knows which path a step of R rows takes: where the compiled
+layer bridge serves the model, steps of up to `limit` rows stream every weight once for all rows,
+T(rows) = 1 + row_cost * rows, and larger steps take panel tiles, T(rows) = 1 + jump + row_cost_above * rows. Without
+a limit (no bridge) a step costs the first line at any size. `kvforge bench spec --verify-cost` fits the constants.
 """
 from __future__ import annotations
 
