@@ -98,16 +98,30 @@ def _config_dtype(path: Path) -> str | None:
 
 
 def default_weights(m: ResolvedModel, weights_dtype: str | None = None) -> tuple[int, str]:
-    """Weight bytes and where they come from: --weights-dtype, a GGUF file's tensors, else the parameter count
-    at the published dtype (fp16 when unknown). `kvforge memory` and `kvforge advise` both use this."""
+    """Weight bytes and where they come from: --weights-dtype, a GGUF file as kvforge's engine holds it (else its
+    tensors), else the parameter count at the published dtype (fp16 when unknown). `kvforge memory` and `kvforge advise` both use this."""
     params = parameter_count(m.config)
     if weights_dtype is None and m.file_weights_bytes:
+        engine = engine_weight_bytes(m.config)
+        if engine is not None:
+            return engine, "as kvforge's engine holds the GGUF: fp32, plus panel copies of the weights its kernels read"
         return m.file_weights_bytes, "the GGUF file's tensors"
     if weights_dtype is not None:
         return weight_bytes(m.config, weights_dtype), f"{params / 1e9:.2f}B parameters at {weights_dtype}"
     dtype = m.published_dtype or "fp16"
     how = "the published dtype" if m.published_dtype else "assumed: no dtype known; --weights-dtype sets it"
     return weight_bytes(m.config, dtype), f"{params / 1e9:.2f}B parameters at {dtype}, {how}"
+
+
+def engine_weight_bytes(cfg: ModelConfig, weights: str = "fp32") -> int | None:
+    """Bytes an engine with these weights would hold for this model (models/weight_store.py's rules on the model
+    built on the meta device), or None for an architecture kvforge does not run."""
+    from kvforge.models.weight_store import planned_bytes
+
+    try:
+        return planned_bytes(cfg, weights)
+    except (ModelLoadError, KeyError, TypeError, ValueError):
+        return None
 
 
 def parameter_count(cfg: ModelConfig) -> int:

@@ -9,7 +9,15 @@ from kvforge.cli import main
 from kvforge.errors import ConfigError, KVForgeError, ModelLoadError
 from kvforge.kv.formats import KVFormat, get_format
 from kvforge.kv.memory import budget_for, bytes_for_sequence, bytes_per_token, num_blocks_for_budget, side_bytes
-from kvforge.memcalc import ResolvedModel, memory_report, parameter_count, parse_size, resolve_model, weight_bytes
+from kvforge.memcalc import (
+    ResolvedModel,
+    engine_weight_bytes,
+    memory_report,
+    parameter_count,
+    parse_size,
+    resolve_model,
+    weight_bytes,
+)
 from kvforge.models.config import ModelConfig
 from kvforge.presets import PRESETS, get_preset
 
@@ -214,7 +222,8 @@ def test_gguf_metadata(tmp_path):
     assert m.file_weights_bytes == 100 * 64 * 4
     r = memory_report(m, memory=MiB)
     assert r.per_token_elements == 2 * 3 * 2 * 16 and r.seq_len == 512
-    assert r.fits.weights_bytes == 100 * 64 * 4
+    assert r.fits.weights_bytes == engine_weight_bytes(m.config) > 100 * 64 * 4  # as the engine holds it
+    assert "as kvforge's engine holds" in r.fits.weights_source
     assert resolve_model(str(tmp_path)).name == "tiny.gguf"  # a directory holding one .gguf
 
 

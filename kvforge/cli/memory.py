@@ -24,8 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", help="device memory for 'what fits', e.g. 80GiB, 24GB, 512MiB, or bytes "
                                     "(default: none, no 'what fits')")
     weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--weights", help="bytes the weights take, e.g. 14GB (default: a GGUF file's tensors, else "
-                                           "the parameter count at the published dtype; printed)")
+    weights.add_argument("--weights", help="bytes the weights take, e.g. 14GB (default: a GGUF file as kvforge's engine "
+                                           "holds it, fp32 plus panel copies; else the parameter count at the "
+                                           "published dtype; printed)")
     weights.add_argument("--weights-dtype", choices=list(WEIGHT_BYTES_PER_PARAM),
                          help="estimate weights from the parameter count at this dtype (default: see --weights)")
     p.add_argument("--kv-tier", dest="kv_tiers", action="append", default=None, metavar="TIER",

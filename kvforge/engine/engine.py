@@ -29,6 +29,7 @@ from kvforge.kv.tiers.setup import attach_tiers
 from kvforge.models.bridged import prepare_bridge
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
+from kvforge.models.weight_store import prepare_weights, resident_bytes
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -60,9 +61,11 @@ class LLMEngine:
         self.spec_config = SpeculativeConfig.parse(config.speculative)
         self.draft = load_draft_model(self.spec_config, self.loaded, self.device, self.max_model_len, self.policy,
                                       self.format, config.block_size)  # None unless method 'draft'
-        for weights in (self.loaded, self.draft):  # packed now: no step stalls for it, free memory counts it
+        for weights in (self.loaded, self.draft):  # every layout made now: no step stalls, free memory counts it
             if weights is not None:
+                prepare_weights(weights.model)
                 prepare_bridge(weights.model)
+        self.weight_bytes = sum(resident_bytes(w.model) for w in (self.loaded, self.draft) if w is not None)
         num_blocks = self._num_blocks()
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
@@ -327,6 +330,7 @@ class LLMEngine:
             "generated_tokens": self.generated_tokens,
             "kv_cache_dtype": self.format.name,
             "kv_layout": self.config.kv_layout,
+            "weight_bytes": self.weight_bytes,
         })
         if self.runner.evictor:
             s.update(self.runner.evictor.stats())
