@@ -3,9 +3,11 @@ gate/up weights and the LM head get an int8 form with one scale per output chann
 embedding lookup stays fp32. The engine quantizes its own copy of the module tree (tensors shared), so an fp32
 engine over the same loaded model is unchanged; the copy's quantized weights and the views of fused ones release
 their fp32 originals (on the meta device: shapes stay, values live in the int8 form; `state_dict` gives the
-dequantized values). Steps of more rows than the operator takes (prefill, large batches) multiply by one
-dequantized fp32 copy of each weight in panels (ops/panels.py), made when the engine is built
-(models/weight_store.py); a per-call dequantization measured 2.5-6x slower at 17-64 rows.
+dequantized values). Steps of more rows than the operator takes (prefill, large batches) run
+`kvforge::int8_panel_linear` on the same int8 values laid out in panels (ops/panels.py), made when the engine is
+built (models/weight_store.py): each panel triple is dequantized into L2 and multiplied as panel_linear would the
+dequantized weight, bit for bit (a per-call dequantization of the whole weight measured 2.5-6x slower at 17-64
+rows; a kept fp32 copy costs 4 bytes per weight).
 
 A quantized weight carries its int8 form as an attribute of the weight tensor the model passes to `linear`,
 so the model code is the same for both: `linear` below dispatches on it.
@@ -32,7 +34,7 @@ from kvforge.ops.int8 import (
 from kvforge.ops.panels import pack_panels, unpack_panels
 
 INT8 = "_kvforge_int8"  # attribute of a weight tensor: its (int8 weight packed for the operator, per-row scale)
-DEQUANTIZED = "_kvforge_int8_dense"  # and its dequantized fp32 panels, for steps of more rows
+PANELS = "_kvforge_int8_panels"  # and the same int8 values as panels [P, K, 16], for steps of more rows
 RELEASED = "_kvforge_released"  # True on a tensor whose fp32 values were released (they live in an int8 form)
 SOURCE = "_kvforge_int8_source"  # a released view of a fused weight: (the fused quantized weight, its first row)
 FUSED = ("qkv_weight", "gate_up_weight")  # fused projections the models call through `linear` (llama.py, layers.py)
@@ -40,32 +42,31 @@ FUSED = ("qkv_weight", "gate_up_weight")  # fused projections the models call th
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """ops.layers.linear, or for a quantized `weight` the compiled int8 operator (decode's few rows) or, for more
-    rows and where no kernel is built, panel_linear on the dequantized panels."""
+    rows and where no kernel is built, int8_panel_linear (fp32 activations times the dequantized weight)."""
     q = getattr(weight, INT8, None)
     if q is None:
         return ops_layers.linear(x, weight, bias)
     if x.numel() // x.shape[-1] <= COMPILED_ROWS and compiled_for(x):
         return operator_linear(x, q[0], q[1], bias)
-    out = ops_layers.panel_matmul(x.reshape(-1, x.shape[-1]), dense_panels(weight), weight.shape[0], bias)
+    out = ops_layers.int8_panel_linear(x.reshape(-1, x.shape[-1]), int8_panels(weight), q[1], bias)
     return out.view(*x.shape[:-1], out.shape[1])
 
 
-def dense_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A quantized weight's dequantized fp32 panels (made now if new)."""
-    dense = getattr(weight, DEQUANTIZED, None)
-    if dense is None:
-        q, scale = getattr(weight, INT8)
+def int8_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A quantized weight's int8 values as panels [P, K, 16] (made now if new)."""
+    panels = getattr(weight, PANELS, None)
+    if panels is None:
         with torch.no_grad():
-            dense = pack_panels(dequantize(unpack(q, *weight.shape), scale))
-        setattr(weight, DEQUANTIZED, dense)
-    return dense
+            panels = pack_panels(unpack(getattr(weight, INT8)[0], *weight.shape))
+        setattr(weight, PANELS, panels)
+    return panels
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
     """The fp32 values a released weight computes with: its dequantized rows (a copy)."""
     fused, first = getattr(weight, SOURCE, (weight, 0))
-    rows = unpack_panels(dense_panels(fused), fused.shape[0])
-    return rows[first: first + weight.shape[0]].clone()
+    rows = slice(first, first + weight.shape[0])
+    return dequantize(unpack_panels(int8_panels(fused), fused.shape[0])[rows], getattr(fused, INT8)[1][rows])
 
 
 class Int8Linear(nn.Linear):

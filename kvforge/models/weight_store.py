@@ -5,8 +5,8 @@ Rules, applied when an engine is built (`prepare_weights`) and, for a model not 
 - fp32: every tensor stays as loaded (row-major: the embedding lookup, small_linear and the layer bridge's few-row
   path read it), and each weight the model multiplies through `ops.layers.linear` (`linear_weights`) also gets
   its panel copy (ops/panels.py), which every step of more rows reads, prefill included. No other copy is made.
-- int8 (models/int8_weights.py): each quantized weight is held as the int8 operator's packed layout with one scale
-  per row (decode's few rows) and one dequantized fp32 panel copy (more rows); its fp32 original is released (the
+- int8 (models/int8_weights.py): each quantized weight is held as int8 only, in the int8 operator's packed layout
+  (decode's few rows) and as int8 panels (more rows), with one scale per row; its fp32 original is released (the
   tensor object stays on the meta device, so shapes and state dicts still work), other tensors (embedding, norms,
   biases) stay as loaded.
 `resident_bytes` sums the storages a model really holds, each once; the engine reports it, and its free-memory
@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from kvforge.models.config import ModelConfig
-from kvforge.models.int8_weights import DEQUANTIZED, INT8, RELEASED, dense_panels, quantize_model, quantized_weights
+from kvforge.models.int8_weights import INT8, RELEASED, int8_panels, quantize_model, quantized_weights
+from kvforge.models.int8_weights import PANELS as INT8_PANELS
 from kvforge.ops.packed_weights import ATTRIBUTE as ONEDNN
 from kvforge.ops.panels import ATTRIBUTE as PANELS
 from kvforge.ops.panels import panels
 
-LAYOUTS = (PANELS, ONEDNN, DEQUANTIZED)  # attributes of a weight tensor that hold another layout of it
+LAYOUTS = (PANELS, ONEDNN, INT8_PANELS)  # attributes of a weight tensor that hold another layout of it
 ALIGN = 64  # int8 packed weights share one buffer, each from a 64-byte boundary (ops/int8.py in_huge_pages)
 
 
@@ -43,13 +44,13 @@ def linear_weights(model: nn.Module) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def prepare_weights(model: nn.Module) -> None:
-    """Make every layout the model's kernels read now (panels of each fp32 linear weight, the dequantized panels of
-    each int8 one), so no step stalls packing and the free memory the KV pool is sized from already counts them."""
+    """Make every layout the model's kernels read now (panels of each fp32 linear weight, the int8 panels of each int8
+    one), so no step stalls packing and the free memory the KV pool is sized from already counts them."""
     for w in linear_weights(model):
         if w.dim() == 2 and w.dtype == torch.float32 and w.device.type in ("cpu", "meta"):
             panels(w)
     for w in quantized_weights(model):
-        dense_panels(w)
+        int8_panels(w)
 
 
 def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.ops import layers_reference
-from kvforge.ops.build import disabled, load_compiled
-from kvforge.ops.panels import panels, unpack_panels
+from kvforge.ops.build import disabled, has_cpu_kernel, load_compiled
+from kvforge.ops.panels import panels
 
 
 def _compiled(x: torch.Tensor) -> bool:
@@ -70,9 +70,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def panel_matmul(x: torch.Tensor, weight_panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ the weight held only as panels [P, K, 16] (its first n columns): panel_linear, or off the
-    compiled path F.linear on the unpacked weight."""
-    if _compiled(x):
-        return torch.ops.kvforge.panel_linear(x, weight_panels, n, bias)
-    return F.linear(x, unpack_panels(weight_panels, n), bias)
+def int8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ (int8 panels [P, K, 16] dequantized with one scale per column)^T: the compiled kernel (the same
+    floats as panel_linear on the dequantized panels), or off the compiled path F.linear on the dequantized weight."""
+    if _compiled(x) and has_cpu_kernel("kvforge::int8_panel_linear"):
+        return torch.ops.kvforge.int8_panel_linear(x, panels, scale, scale.numel(), bias)
+    return layers_reference.int8_panel_linear(x, panels, scale, scale.numel(), bias)

@@ -48,8 +48,7 @@ def test_int8_engine_holds_less_than_fp32_and_what_the_calculator_plans(kind, tm
     int8 = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, weights="int8"), load_model(str(tmp_path)))
     assert int8.weight_bytes == sum(_storages(int8.loaded.model).values()) == planned_bytes(int8.model_config, "int8")
     assert fp32.weight_bytes == planned_bytes(fp32.model_config, "fp32")
-    if kind == "llama-gqa":  # every linear weight runs through ops `linear` in fp32 too (Gemma's MLP: F.linear)
-        assert int8.weight_bytes < fp32.weight_bytes
+    assert int8.weight_bytes < fp32.weight_bytes
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
