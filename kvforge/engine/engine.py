@@ -10,7 +10,7 @@ import traceback
 import torch
 
 from kvforge.config import EngineConfig, check_max_model_len
-from kvforge.engine.host_memory import keep_freed_memory
+from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
@@ -66,6 +66,7 @@ class LLMEngine:
                 prepare_weights(weights.model)
                 prepare_bridge(weights.model)
         self.weight_bytes = sum(resident_bytes(w.model) for w in (self.loaded, self.draft) if w is not None)
+        release_freed_memory()  # loading, quantizing and packing left freed temporaries in the heap
         num_blocks = self._num_blocks()
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
