@@ -382,3 +382,14 @@ def test_packaged_gemma3_gguf_gives_the_config_json_figures(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3_270M))
     assert from_gguf.per_sequence_bytes == memory_report(str(tmp_path), seq_len=4096).per_sequence_bytes
     assert from_gguf.per_sequence_bytes == (3 * 4096 + 15 * 512) * 1024 and from_gguf.window_layers == 15
+
+
+def test_engine_weights_are_the_bytes_the_engine_holds_for_any_model_it_runs():
+    from kvforge.models.weight_store import planned_bytes
+
+    cfg = get_preset("smollm2-135m")
+    for mode in ("fp32", "int8"):
+        r = memory_report(resolve_model("smollm2-135m"), memory=4 * 1024 * MiB, engine_weights=mode)
+        assert r.fits.weights_bytes == planned_bytes(cfg, mode) and f"weights={mode}" in r.fits.weights_source
+    with pytest.raises(ConfigError, match="engine weights must be one of"):
+        memory_report(resolve_model("smollm2-135m"), memory=MiB, engine_weights="int4")
