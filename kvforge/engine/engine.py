@@ -96,6 +96,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
+        if self.tiers is not None:  # the tiers' weights fingerprint read a state dict (int8: dequantized copies)
+            release_freed_memory()
 
     def _preemption_mode(self) -> str:
         """swap needs a tier to swap to; by default it is chosen when a KV policy evicts (recompute cannot rebuild a
