@@ -9,7 +9,15 @@ from kvforge.cli import main
 from kvforge.errors import ConfigError, KVForgeError, ModelLoadError
 from kvforge.kv.formats import KVFormat, get_format
 from kvforge.kv.memory import budget_for, bytes_for_sequence, bytes_per_token, num_blocks_for_budget, side_bytes
-from kvforge.memcalc import ResolvedModel, memory_report, parameter_count, parse_size, resolve_model, weight_bytes
+from kvforge.memcalc import (
+    ResolvedModel,
+    engine_weight_bytes,
+    memory_report,
+    parameter_count,
+    parse_size,
+    resolve_model,
+    weight_bytes,
+)
 from kvforge.models.config import ModelConfig
 from kvforge.presets import PRESETS, get_preset
 
@@ -214,7 +222,8 @@ def test_gguf_metadata(tmp_path):
     assert m.file_weights_bytes == 100 * 64 * 4
     r = memory_report(m, memory=MiB)
     assert r.per_token_elements == 2 * 3 * 2 * 16 and r.seq_len == 512
-    assert r.fits.weights_bytes == 100 * 64 * 4
+    assert r.fits.weights_bytes == engine_weight_bytes(m.config) > 100 * 64 * 4  # as the engine holds it
+    assert "as kvforge's engine holds" in r.fits.weights_source
     assert resolve_model(str(tmp_path)).name == "tiny.gguf"  # a directory holding one .gguf
 
 
@@ -373,3 +382,14 @@ def test_packaged_gemma3_gguf_gives_the_config_json_figures(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3_270M))
     assert from_gguf.per_sequence_bytes == memory_report(str(tmp_path), seq_len=4096).per_sequence_bytes
     assert from_gguf.per_sequence_bytes == (3 * 4096 + 15 * 512) * 1024 and from_gguf.window_layers == 15
+
+
+def test_engine_weights_are_the_bytes_the_engine_holds_for_any_model_it_runs():
+    from kvforge.models.weight_store import planned_bytes
+
+    cfg = get_preset("smollm2-135m")
+    for mode in ("fp32", "int8"):
+        r = memory_report(resolve_model("smollm2-135m"), memory=4 * 1024 * MiB, engine_weights=mode)
+        assert r.fits.weights_bytes == planned_bytes(cfg, mode) and f"weights={mode}" in r.fits.weights_source
+    with pytest.raises(ConfigError, match="engine weights must be one of"):
+        memory_report(resolve_model("smollm2-135m"), memory=MiB, engine_weights="int4")

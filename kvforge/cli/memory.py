@@ -6,7 +6,14 @@ import json
 
 from kvforge.errors import ConfigError
 from kvforge.kv.tiers.parse import parse_tiers
-from kvforge.memcalc import WEIGHT_BYTES_PER_PARAM, MemoryReport, memory_report, parse_size, resolve_model
+from kvforge.memcalc import (
+    ENGINE_WEIGHTS,
+    WEIGHT_BYTES_PER_PARAM,
+    MemoryReport,
+    memory_report,
+    parse_size,
+    resolve_model,
+)
 from kvforge.presets import PRESETS
 
 EPILOG = f"presets: {', '.join(PRESETS)}"
@@ -25,10 +32,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", help="device memory for 'what fits', e.g. 80GiB, 24GB, 512MiB, or bytes "
                                     "(default: none, no 'what fits')")
     weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--weights", help="bytes the weights take, e.g. 14GB (default: a GGUF file's tensors, else "
-                                           "the parameter count at the published dtype; printed)")
+    weights.add_argument("--weights", help="bytes the weights take, e.g. 14GB (default: a GGUF file as kvforge's engine "
+                                           "holds it, fp32 plus panel copies; else the parameter count at the "
+                                           "published dtype; printed)")
     weights.add_argument("--weights-dtype", choices=list(WEIGHT_BYTES_PER_PARAM),
                          help="estimate weights from the parameter count at this dtype (default: see --weights)")
+    weights.add_argument("--engine-weights", choices=list(ENGINE_WEIGHTS),
+                         help="the bytes kvforge's engine holds with this weights mode: every layout its kernels "
+                              "read, e.g. fp32 weights plus their panel copies (default: see --weights)")
     p.add_argument("--kv-tier", dest="kv_tiers", action="append", default=None, metavar="TIER",
                    help="also show what a KV tier holds in tokens of this format, e.g. host:8GiB or disk:PATH:100GiB "
                         "(repeatable; default: none)")
@@ -52,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         resolve_model(args.model_option or args.model or "smollm2-135m"), seq_len=args.seq_len, batch=args.batch, kv_dtype=args.kv_dtype,
         block_size=args.block_size, memory=None if args.memory is None else parse_size(args.memory),
         weights=None if args.weights is None else parse_size(args.weights), weights_dtype=args.weights_dtype,
+        engine_weights=args.engine_weights,
     )
     tiers = tier_capacity(args.kv_tiers, report.per_token_bytes)
     if args.json:

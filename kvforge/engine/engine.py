@@ -10,7 +10,7 @@ import traceback
 import torch
 
 from kvforge.config import EngineConfig, check_max_model_len
-from kvforge.engine.host_memory import keep_freed_memory
+from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
@@ -30,6 +30,7 @@ from kvforge.kv.tiers.setup import build_tier_connector, check_tier_groups
 from kvforge.models.bridged import prepare_bridge
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
+from kvforge.models.weight_store import prepare_weights, resident_bytes
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -65,9 +66,12 @@ class LLMEngine:
         check_speculation(self.speculative_config, self.loaded.model, self.groups, self.policy)
         self.draft = load_draft_model(self.speculative_config, self.loaded, self.device, self.max_model_len,
                                       self.format, config.block_size, self.groups)  # None unless method 'draft'
-        for weights in (self.loaded, self.draft):  # packed now: no step stalls for it, free memory counts it
+        for weights in (self.loaded, self.draft):  # every layout made now: no step stalls, free memory counts it
             if weights is not None:
+                prepare_weights(weights.model)
                 prepare_bridge(weights.model)
+        self.weight_bytes = sum(resident_bytes(w.model) for w in (self.loaded, self.draft) if w is not None)
+        release_freed_memory()  # loading, quantizing and packing left freed temporaries in the heap
         num_blocks = self._num_blocks()
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
@@ -93,6 +97,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
+        if self.tiers is not None:  # the tiers' weights fingerprint read a state dict (int8: dequantized copies)
+            release_freed_memory()
 
     @property
     def tiers(self):
@@ -332,6 +338,7 @@ class LLMEngine:
             "generated_tokens": self.generated_tokens,
             "kv_cache_dtype": self.format.name,
             "kv_layout": self.config.kv_layout,
+            "weight_bytes": self.weight_bytes,
         })
         if self.runner.evictor:
             s.update(self.runner.evictor.stats())

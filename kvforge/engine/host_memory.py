@@ -36,3 +36,15 @@ def _apply() -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, LIMIT)) and bool(libc.mallopt(M_TRIM_THRESHOLD, LIMIT))
     except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
         return False
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS now (glibc malloc_trim): once, when an engine is built, after
+    loading, quantizing and packing freed their temporaries (~500 MB retained after loading SmolLM2's GGUF), so the
+    free memory the KV pool is sized from and the process's RSS count only what is held. True when trimmed."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -45,8 +45,9 @@ def _bias(bias: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
 
 def _none(like: torch.Tensor) -> torch.Tensor:
     """The operator's empty tensor for no scale or bias, on the weights' device (a tensor made at import could land
-    on the meta device the loader builds models on, and send every call to the torch reference)."""
-    return torch.empty(0, device=like.device)
+    on the meta device the loader builds models on, and send every call to the torch reference; an int8 weight's
+    released fp32 original is on the meta device, its int8 form is not)."""
+    return torch.empty(0, device=getattr(like, INT8, (like,))[0].device)
 
 
 def _weights(model: nn.Module) -> BridgeWeights | None:
@@ -100,9 +101,8 @@ def bridged_rows(model: nn.Module, rows: int) -> BridgeWeights | None:
 
 
 def prepare_bridge(model: nn.Module) -> None:
-    """Build both of the model's bridge weight sets now, at load, where the bridge serves it, and the LM head's panel
-    copy its wide steps use (ops/layers.py linear): packing SmolLM2's weights takes ~0.6 s, which the first step of
-    more than BRIDGE_ROWS rows would otherwise pay."""
+    """Build both of the model's bridge weight sets now, when the engine is built (after models/weight_store.py
+    made the panels they take), where the bridge serves it."""
     if bridged_rows(model, WIDE_ROWS) is not None:
         panels(model.lm_head.weight)
 

@@ -31,6 +31,9 @@ class GemmaRMSNorm(RMSNorm):
 class GeluGatedMLP(GatedMLP):
     """down(gelu_tanh(gate(x)) * up(x)): Llama's gated MLP with Gemma's activation."""
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        return []  # its nn.Linear layers run F.linear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 

@@ -35,6 +35,10 @@ class GatedMLP(nn.Module):
     def fuse_projections(self) -> None:
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)[0]
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights forward multiplies through ops `linear` (models/weight_store.py gives them their layouts)."""
+        return [] if self.gate_up_weight is None else [self.gate_up_weight, self.down_proj.weight]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
             return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)

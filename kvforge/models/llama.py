@@ -42,6 +42,10 @@ class Attention(nn.Module):
         """q, k and v as one matmul (their parameters become views into the fused weight)."""
         self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
+    def linear_weights(self) -> list[torch.Tensor | None]:
+        """The weights this module multiplies through ops `linear` (models/weight_store.py gives them their layouts)."""
+        return [self.qkv_weight, self.o_proj.weight]
+
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         if self.qkv_weight is None:
@@ -127,6 +131,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers if layers is None else (self.model.layers[i] for i in layers):
             x, residual = layer(x, residual, cos, sin, meta, kv)
         return self.model.norm(x) if residual is None else add_rms_norm(residual, x, self.model.norm)
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        return [self.lm_head.weight]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head.weight)

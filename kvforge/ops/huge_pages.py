@@ -5,13 +5,15 @@ at ~60-70% of the bandwidth it reaches on 2 MB pages (`python -m kvforge.ops.ben
 PyTorch's allocator asks for huge pages only when THP_MEM_ALLOC_ENABLE is set before its first allocation,
 so `move_to_huge_pages` copies a module's large fp32 CPU tensors into one anonymous mapping advised
 MADV_HUGEPAGE and points them there (same tensor objects, same values; views and tied weights stay shared,
-and tensors that had storages of their own still do, e.g. for `models/int8_weights.py`).
+and tensors that had storages of their own still do, e.g. for `models/int8_weights.py`). When a storage dies
+(int8 weights release their fp32 originals) its pages go back to the system, while the others stay mapped.
 KVFORGE_HUGE_PAGES=0 opts out; where the platform has no MADV_HUGEPAGE it does nothing.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -54,11 +56,24 @@ def move_to_huge_pages(module: nn.Module) -> int:
     regions = {}
     with torch.no_grad():
         for ptr, storage in storages.items():
-            region = torch.frombuffer(mapping, dtype=torch.uint8, count=storage.nbytes(), offset=base + offsets[ptr])
-            regions[ptr] = region.copy_(_bytes_of(storage))
+            regions[ptr] = _region(mapping, base + offsets[ptr], storage.nbytes()).copy_(_bytes_of(storage))
         for t, ptr in targets.values():
             t.data = regions[ptr].view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
     return total
+
+
+def _region(mapping: mmap.mmap, offset: int, nbytes: int) -> torch.Tensor:
+    """Bytes [offset, offset + nbytes) of the mapping as a tensor whose storage, when it dies, returns the whole
+    pages it covered (MADV_DONTNEED)."""
+    view = memoryview(mapping)[offset: offset + nbytes]
+    weakref.finalize(view, _discard, mapping, offset, nbytes)
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _discard(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
+    start, end = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start and not mapping.closed:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _movable(t: torch.Tensor) -> bool:

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.ops import layers_reference
-from kvforge.ops.build import disabled, load_compiled
-from kvforge.ops.packed_weights import packed, packed_linear
+from kvforge.ops.build import disabled, has_cpu_kernel, load_compiled
 from kvforge.ops.panels import panels
 
 
@@ -51,26 +50,30 @@ SMALL_ROWS_WIDE = 32  # and up to this many for wide outputs (the vocabulary pro
 WIDE = 8192
 STREAM_ROWS = 6  # up to this many rows small_linear streams the weights once (one decode row plus 5 drafts),
 STREAM_FLOATS = 8192  # while those rows of x (rows * K floats) stay in the L1 cache; panels or oneDNN above
-PANEL_ROWS = 512  # up to this many rows panel_linear beats oneDNN on SmolLM2's shapes (1.1-1.8x at 9 to 64)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for fp32 CPU inference: a few rows (a decode step of a few sequences, a speculative
-    verification) through the compiled small_linear, which reads each weight once; tens to hundreds of rows
-    (batched decode and verification) through panel_linear, on a copy of the weight packed into panels once;
-    prefill-sized inputs through oneDNN with the weight packed once, else the BLAS
+    verification) through the compiled small_linear, which reads each weight once; more rows (batched decode,
+    verification, prefill) through panel_linear on the weight's panel copy (models/weight_store.py makes it when an
+    engine is built), as fast as oneDNN on a packed copy at prefill sizes and faster below
     (`python -m kvforge.ops.bench_matmul` measures them)."""
     if not _compiled(x) or x.dim() != 2 or (weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     rows = x.shape[0]
     if rows > 1 and (rows > STREAM_ROWS or rows * x.shape[1] > STREAM_FLOATS):
-        if rows <= PANEL_ROWS:
-            weight_panels = panels(weight)
-            if weight_panels is not None:
-                return torch.ops.kvforge.panel_linear(x, weight_panels, weight.shape[0], bias)
-        weight_packed = packed(weight)
-        if weight_packed is not None:
-            return packed_linear(x, weight_packed, bias)
+        weight_panels = panels(weight)
+        if weight_panels is not None:
+            return torch.ops.kvforge.panel_linear(x, weight_panels, weight.shape[0], bias)
     if rows <= max(STREAM_ROWS, SMALL_ROWS_WIDE if weight.shape[0] >= WIDE else SMALL_ROWS):
         return torch.ops.kvforge.small_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def int8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ (int8 panels [P, K, 16] dequantized with one scale per column)^T: the compiled kernel (the same
+    floats as panel_linear on the dequantized panels), or off the compiled path F.linear on the dequantized weight."""
+    if _compiled(x) and has_cpu_kernel("kvforge::int8_panel_linear"):
+        return torch.ops.kvforge.int8_panel_linear(x, panels, scale, scale.numel(), bias)
+    return layers_reference.int8_panel_linear(x, panels, scale, scale.numel(), bias)

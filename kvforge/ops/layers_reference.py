@@ -40,6 +40,12 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
     return F.linear(x, unpack_panels(panels, n), bias)
 
 
+def int8_panel_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, n: int,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """csrc/panel_matmul.cpp: panel_linear on int8 panels [P, K, 16] dequantized as float(q) * scale[column]."""
+    return F.linear(x, unpack_panels(panels, n).float() * scale[:, None], bias)
+
+
 def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  post: list[torch.Tensor], pre: list[torch.Tensor], heads: int, kv_heads: int, eps: float,
                  kv_write: list[torch.Tensor]) -> torch.Tensor:

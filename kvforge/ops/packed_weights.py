@@ -1,4 +1,5 @@
-"""oneDNN's linear with the weight packed once (blocked layout), for fp32 CPU inference.
+"""oneDNN's linear with the weight packed once (blocked layout): no longer on the engine's path (panel_linear is as fast
+at prefill sizes on the weight's one panel copy, models/weight_store.py); kept for bench_matmul's comparison.
 
 On this project's CPU (AMD EPYC, PyTorch's MKL build) `F.linear` with a few rows costs far more than one row,
 while oneDNN with a pre-packed weight runs 2 to 32 rows at about 1.1-3x the cost of one and prefill-sized

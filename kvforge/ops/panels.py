@@ -1,7 +1,8 @@
 """Weights packed into panels of 16 output columns, [P, K, 16], for kvforge::panel_linear (csrc/panel_matmul.cpp):
 the tens-of-rows linear of batched decode and speculative verification. The packed copy is made when an engine is
-built on a model the layer bridge serves (models/bridged.py prepare_bridge), else on a weight's first such use, and
-kept as an attribute of that weight tensor, so it lives and dies with it."""
+built (models/weight_store.py, for the weights the model declares; on the meta device for a model built only to
+count its bytes), else on a weight's first such use, and kept as an attribute of that weight tensor, so it lives
+and dies with it."""
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ def panels(weight: torch.Tensor) -> torch.Tensor | None:
     cached = getattr(weight, ATTRIBUTE, None)
     if cached is not None:
         return cached
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type not in ("cpu", "meta"):
         return None
     with torch.no_grad():
         cached = pack_panels(weight.detach())

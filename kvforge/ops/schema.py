@@ -25,6 +25,8 @@ LIB.define("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 LIB.impl("small_linear", layers_reference.linear, "CompositeExplicitAutograd")
 LIB.define("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor")
 LIB.impl("panel_linear", layers_reference.panel_linear, "CompositeExplicitAutograd")
+LIB.define("int8_panel_linear(Tensor x, Tensor panels, Tensor scale, int n, Tensor? bias) -> Tensor")
+LIB.impl("int8_panel_linear", layers_reference.int8_panel_linear, "CompositeExplicitAutograd")
 LIB.define("layer_bridge(Tensor? attn, Tensor(a!) residual, Tensor cos, Tensor sin, Tensor[] post, Tensor[] pre, "
            "int heads, int kv_heads, float eps, Tensor(b!)[] kv_write) -> Tensor")
 LIB.impl("layer_bridge", layers_reference.layer_bridge, "CompositeExplicitAutograd")

@@ -34,3 +34,25 @@ def test_freed_temporaries_stay_in_the_heap_unless_opted_out():
     assert kept and free_bytes >= 50_000_000
     kept, free_bytes = probe("0")
     assert not kept and free_bytes < 50_000_000
+
+
+TRIM_PROBE = """
+import torch
+from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+keep_freed_memory()
+x = torch.empty(50_000_000, dtype=torch.uint8)
+x.fill_(1)
+del x
+kept = rss()
+print(release_freed_memory(), kept - rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
+def test_an_engine_build_hands_freed_heap_pages_back():
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, check=True).stdout
+    trimmed, returned = out.split()
+    assert trimmed == "True" and int(returned) > 40_000_000

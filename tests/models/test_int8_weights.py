@@ -13,7 +13,7 @@ from kvforge.engine.scoring import position_logits
 from kvforge.errors import ConfigError
 from kvforge.models.int8_weights import INT8, Int8Linear, is_quantized
 from kvforge.models.loader import load_model
-from kvforge.ops.int8 import dequantize, int8_linear_reference, pack, quantize_per_channel
+from kvforge.ops.int8 import dequantize, int8_linear_reference, pack, quantize_per_channel, unpack
 
 TOKENS = torch.randint(0, 96, (50,), generator=torch.Generator().manual_seed(1)).tolist()
 
@@ -78,7 +78,7 @@ def test_int8_logits_and_greedy_match_transformers_on_dequantized_weights(kind, 
     torch.testing.assert_close(position_logits(fp32_engine, TOKENS, chunk_size=7), fp32, atol=1e-4, rtol=1e-4)
 
 
-def test_every_linear_is_quantized_once_and_tensors_are_shared(tmp_path):
+def test_every_linear_is_quantized_once_and_its_fp32_original_released(tmp_path):
     write_tiny_model("llama-gqa", tmp_path)
     loaded = load_model(str(tmp_path))
     model = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, weights="int8"), loaded).loaded.model
@@ -87,9 +87,17 @@ def test_every_linear_is_quantized_once_and_tensors_are_shared(tmp_path):
     assert isinstance(layer.self_attn.o_proj, Int8Linear) and isinstance(model.lm_head, Int8Linear)
     assert hasattr(layer.self_attn.o_proj.weight, INT8) and hasattr(model.lm_head.weight, INT8)
     assert not isinstance(layer.self_attn.q_proj, Int8Linear)  # a view of the fused q/k/v weight
-    assert layer.self_attn.qkv_weight.data_ptr() == base.self_attn.qkv_weight.data_ptr()  # fp32 not copied
+    released = [layer.self_attn.qkv_weight, layer.mlp.gate_up_weight, layer.self_attn.o_proj.weight,
+                layer.self_attn.q_proj.weight, layer.mlp.up_proj.weight, model.lm_head.weight]
+    assert all(w.device.type == "meta" for w in released)  # the int8 tree holds no fp32 original
     assert not hasattr(base.self_attn.qkv_weight, INT8) and type(base.self_attn.o_proj) is not Int8Linear
-    assert model.model.embed_tokens.weight is loaded.model.model.embed_tokens.weight
+    assert base.self_attn.qkv_weight.device.type == "cpu" and base.self_attn.q_proj.weight.device.type == "cpu"
+    assert model.model.embed_tokens.weight is loaded.model.model.embed_tokens.weight  # kept fp32: shared
+    state, q, scale = model.state_dict(), *[getattr(layer.self_attn.qkv_weight, INT8)[i] for i in (0, 1)]
+    fused = dequantize(unpack(q, *layer.self_attn.qkv_weight.shape), scale)
+    rows = base.self_attn.q_proj.weight.shape[0]
+    assert torch.equal(state["model.layers.0.self_attn.q_proj.weight"], fused[:rows])  # what it computes with
+    assert torch.equal(state["model.layers.0.self_attn.k_proj.weight"], fused[rows: rows + base.self_attn.k_proj.weight.shape[0]])
 
 
 def test_unknown_weight_kind_is_refused():

@@ -60,3 +60,20 @@ def test_int8_quantization_still_tells_fused_views_from_other_weights(monkeypatc
     expected = quantize_model(module_copy(block))
     huge_pages.move_to_huge_pages(block)
     assert quantize_model(module_copy(block)) == expected == 2  # the fused weight and the head
+
+
+def test_a_dead_storage_returns_its_whole_pages_and_leaves_its_neighbours():
+    import gc
+    import mmap
+
+    from kvforge.ops.huge_pages import _region
+
+    page = mmap.PAGESIZE
+    mapping = mmap.mmap(-1, 4 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as huge_page_mapping
+    region = _region(mapping, 100, 3 * page)
+    region.fill_(7)
+    del region
+    gc.collect()
+    data = bytes(mapping[: 4 * page])
+    assert set(data[100:page]) == {7} and set(data[3 * page: 3 * page + 100]) == {7}  # partial pages: shared
+    assert set(data[page: 3 * page]) == {0}  # whole pages: given back (MADV_DONTNEED reads zeros)

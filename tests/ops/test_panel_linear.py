@@ -57,3 +57,26 @@ def test_refuses_a_column_count_the_panels_do_not_hold():
         torch.ops.kvforge.panel_linear(torch.randn(2, 8), p, 49, None)
     with pytest.raises(RuntimeError, match="not 32"):
         torch.ops.kvforge.panel_linear(torch.randn(2, 8), p, 32, None)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 17, 64, 300, 600])
+@pytest.mark.parametrize("n,k", [(37, 70), (100, 576), (960, 577)])
+def test_int8_panels_give_panel_linears_floats_on_the_dequantized_weight_bit_for_bit(rows, n, k):
+    from kvforge.ops.int8 import dequantize, quantize_per_channel
+
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    q, scale = quantize_per_channel(w)
+    dense = dequantize(q, scale)
+    for bias in (b, None):
+        got = torch.ops.kvforge.int8_panel_linear(x, pack_panels(q), scale, n, bias)
+        assert torch.equal(got, torch.ops.kvforge.panel_linear(x, pack_panels(dense), n, bias))
+        reference = layers_reference.int8_panel_linear(x, pack_panels(q), scale, n, bias)
+        torch.testing.assert_close(reference, F.linear(x, dense, bias), rtol=0, atol=0)
+        torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4 * max(1.0, (k / 576) ** 0.5))
+
+
+def test_int8_panels_refuse_scales_that_do_not_match_the_columns():
+    q = pack_panels(torch.randint(-127, 128, (37, 8), dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="do not hold 37 columns"):
+        torch.ops.kvforge.int8_panel_linear(torch.randn(2, 8), q, torch.ones(36), 37, None)

@@ -12,6 +12,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <vector>
 
 #include "panel_matmul.h"
 
@@ -35,12 +37,11 @@ struct Ahead {
 };
 
 template <int MR, int NP>
-void tile(const float* x, const float* panels, const float* bias, float* y, int64_t K, int64_t N, int64_t p0,
+void tile(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t p0,
           const Ahead& ahead) {
   __m512 c[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int p = 0; p < NP; ++p) c[m][p] = _mm512_setzero_ps();
-  const float* w = panels + p0 * K * kPanel;
   int64_t countdown = 1, line = ahead.tile * K / ahead.tiles;  // a panel's row k is one cache line
   const int64_t end = (ahead.tile + 1) * K / ahead.tiles;
   for (int64_t k = 0; k < K; ++k) {
@@ -65,18 +66,32 @@ void tile(const float* x, const float* panels, const float* bias, float* y, int6
   }
 }
 
+// w: the first of the tile's panels (panel p0 of the weight, or a dequantized copy of it)
 template <int NP>
-void rows_tile(int64_t mr, const float* x, const float* panels, const float* bias, float* y, int64_t K, int64_t N,
+void rows_tile(int64_t mr, const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N,
                int64_t p0, const Ahead& a) {
   switch (mr) {
-    case 1: return tile<1, NP>(x, panels, bias, y, K, N, p0, a);
-    case 2: return tile<2, NP>(x, panels, bias, y, K, N, p0, a);
-    case 3: return tile<3, NP>(x, panels, bias, y, K, N, p0, a);
-    case 4: return tile<4, NP>(x, panels, bias, y, K, N, p0, a);
-    case 5: return tile<5, NP>(x, panels, bias, y, K, N, p0, a);
-    case 6: return tile<6, NP>(x, panels, bias, y, K, N, p0, a);
-    case 7: return tile<7, NP>(x, panels, bias, y, K, N, p0, a);
-    default: return tile<8, NP>(x, panels, bias, y, K, N, p0, a);
+    case 1: return tile<1, NP>(x, w, bias, y, K, N, p0, a);
+    case 2: return tile<2, NP>(x, w, bias, y, K, N, p0, a);
+    case 3: return tile<3, NP>(x, w, bias, y, K, N, p0, a);
+    case 4: return tile<4, NP>(x, w, bias, y, K, N, p0, a);
+    case 5: return tile<5, NP>(x, w, bias, y, K, N, p0, a);
+    case 6: return tile<6, NP>(x, w, bias, y, K, N, p0, a);
+    case 7: return tile<7, NP>(x, w, bias, y, K, N, p0, a);
+    default: return tile<8, NP>(x, w, bias, y, K, N, p0, a);
+  }
+}
+
+// Rows [0, M) of x against panels [p, p + np) held as w (the weight's own panels or their dequantized copy).
+void triple_rows(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t p, int64_t np, Ahead ahead) {
+  for (int64_t m = 0; m < M; m += kRowsPerTile, ++ahead.tile) {
+    const int64_t mr = std::min(kRowsPerTile, M - m);
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    if (np == 3) rows_tile<3>(mr, xm, w, bias, ym, K, N, p, ahead);
+    else if (np == 2) rows_tile<2>(mr, xm, w, bias, ym, K, N, p, ahead);
+    else rows_tile<1>(mr, xm, w, bias, ym, K, N, p, ahead);
   }
 }
 
@@ -89,14 +104,27 @@ void panel_range(const float* x, const float* panels, const float* bias, float* 
     const int64_t np = std::min(kPanelsPerTile, p1 - p), next = p + np;
     Ahead ahead;
     if (next < p1) ahead = {panels + next * K * kPanel, std::min(kPanelsPerTile, p1 - next), 0, tiles};
-    for (int64_t m = 0; m < M; m += kRowsPerTile, ++ahead.tile) {
-      const int64_t mr = std::min(kRowsPerTile, M - m);
-      const float* xm = x + m * K;
-      float* ym = y + m * N;
-      if (np == 3) rows_tile<3>(mr, xm, panels, bias, ym, K, N, p, ahead);
-      else if (np == 2) rows_tile<2>(mr, xm, panels, bias, ym, K, N, p, ahead);
-      else rows_tile<1>(mr, xm, panels, bias, ym, K, N, p, ahead);
+    triple_rows(x, panels + p * K * kPanel, bias, y, M, K, N, p, np, ahead);
+  }
+}
+
+// int8 panels: each triple dequantized (float(q) * the column's scale, as ops/int8.py's dequantize) into `buffer`
+// (K * 48 floats, in L2), then the fp32 tiles above on it, so the result is panel_range's on the dequantized weight,
+// bit for bit, while memory carries a quarter of the bytes.
+void int8_panel_range(const float* x, const int8_t* q, const float* scale, const float* bias, float* y, int64_t M,
+                      int64_t K, int64_t N, int64_t p0, int64_t p1, float* buffer) {
+  for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
+    const int64_t np = std::min(kPanelsPerTile, p1 - p);
+    for (int64_t j = 0; j < np; ++j) {
+      const __m512 s = _mm512_loadu_ps(scale + (p + j) * kPanel);
+      const int8_t* qp = q + (p + j) * K * kPanel;
+      float* out = buffer + j * K * kPanel;
+      for (int64_t k = 0; k < K; ++k) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + k * kPanel));
+        _mm512_storeu_ps(out + k * kPanel, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s));
+      }
     }
+    triple_rows(x, buffer, bias, y, M, K, N, p, np, Ahead{});
   }
 }
 
@@ -134,7 +162,47 @@ at::Tensor panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& panels_in,
 #endif
 }
 
+at::Tensor int8_panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scale_in, int64_t n,
+                                 const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && q_in.dim() == 3 && q_in.size(2) == kPanel && x_in.size(1) == q_in.size(1),
+              "int8_panel_linear: x [M, K] and int8 panels [P, K, 16] expected");
+  TORCH_CHECK(n > (q_in.size(0) - 1) * kPanel && n <= q_in.size(0) * kPanel && scale_in.dim() == 1 && scale_in.size(0) == n,
+              "int8_panel_linear: ", q_in.size(0), " panels and ", scale_in.numel(), " scales do not hold ", n, " columns");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && q_in.scalar_type() == at::kChar && scale_in.scalar_type() == at::kFloat,
+              "int8_panel_linear: fp32 x, int8 panels, fp32 scales");
+  const bool has_bias = bias_in.has_value() && bias_in->defined();
+  const int64_t P = q_in.size(0);
+  const at::Tensor scale = at::constant_pad_nd(scale_in.contiguous(), {0, P * kPanel - n}, 0);
+#if defined(__AVX512F__)
+  const at::Tensor x = x_in.contiguous(), q = q_in.contiguous();
+  const at::Tensor bias = has_bias ? bias_in->contiguous() : at::Tensor();
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, n}, x.options());
+  const float *xp = x.data_ptr<float>(), *sp = scale.data_ptr<float>(), *bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  const int8_t* qp = q.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t triples = (P + kPanelsPerTile - 1) / kPanelsPerTile;
+  const int64_t block = std::max<int64_t>(kRowsPerTile, kL2Floats / K / kRowsPerTile * kRowsPerTile);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t rows = std::min(block, M - m0);
+    at::parallel_for(0, triples, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> storage(K * kPanel * kPanelsPerTile + kPanel);  // 64-byte aligned, as torch allocates:
+      const auto at = (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63};  // a panel row per line
+      int8_panel_range(xp + m0 * K, qp, sp, bp, yp + m0 * n, rows, K, n, begin * kPanelsPerTile,
+                       std::min(P, end * kPanelsPerTile), reinterpret_cast<float*>(at));
+    });
+  }
+  return y;
+#else
+  const at::Tensor w = q_in.transpose(1, 2).reshape({-1, q_in.size(1)}).narrow(0, 0, n).to(at::kFloat) * scale_in.unsqueeze(1);
+  return at::linear(x_in, w, has_bias ? *bias_in : at::Tensor());
+#endif
+}
+
 }  // namespace
 }  // namespace kvforge
 
-TORCH_LIBRARY_IMPL(kvforge, CPU, m) { m.impl("panel_linear", &kvforge::panel_linear_cpu); }
+TORCH_LIBRARY_IMPL(kvforge, CPU, m) {
+  m.impl("panel_linear", &kvforge::panel_linear_cpu);
+  m.impl("int8_panel_linear", &kvforge::int8_panel_linear_cpu);
+}
