@@ -1,0 +1,53 @@
+"""What `generate` and `chat` say before they start: model, chat template, sampling, length limit;
+and `--chat-template`, which gives a model the template it lacks (or replaces its own)."""
+from __future__ import annotations
+
+import os
+
+from kvforge.errors import ConfigError
+from kvforge.models.chat_templates import BUILT_IN
+
+
+def add_chat_template_option(g) -> None:
+    g.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help=f"chat template: a Jinja file, a template string, or a built-in name ({', '.join(BUILT_IN)}) "
+                        "(default: the model's own; a base model has none and gets plain text)")
+
+
+def apply_chat_template(tokenizer, template: str | None) -> None:
+    """Give the tokenizer --chat-template's template (a file, a Jinja string or a built-in name)."""
+    if template is None:
+        return
+    if tokenizer is None:
+        raise ConfigError("--chat-template: this model has no tokenizer to apply a template with")
+    if template in BUILT_IN:
+        text, source = BUILT_IN[template], f"--chat-template {template}"
+    elif os.path.isfile(template):
+        try:
+            with open(template, encoding="utf-8") as f:
+                text, source = f.read(), f"--chat-template {template}"
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--chat-template: cannot read {template!r}: {e}") from None
+    elif "{{" in template or "{%" in template:
+        text, source = template, "--chat-template (given inline)"
+    else:
+        raise ConfigError(f"--chat-template {template!r} is neither a file, a Jinja template, nor a built-in name "
+                          f"({', '.join(BUILT_IN)})")
+    tokenizer.chat_template, tokenizer.chat_template_source = text, source
+
+
+def template_note(tokenizer, raw: bool = False) -> str:
+    if raw:
+        return "no chat template (--raw)"
+    if tokenizer is None or not tokenizer.chat_template:
+        return "no chat template (a base model: the prompt is sent as plain text)"
+    return f"chat template: {tokenizer.chat_template_source}"
+
+
+def length_note(engine) -> str:
+    return f"max_model_len {engine.max_model_len:,}{engine.capped_note()}"
+
+
+def startup_line(llm, template: str, sampling: str) -> str:
+    name = os.path.basename(os.path.normpath(llm.engine.loaded.path))
+    return f"[kvforge] {name}; {template}; {sampling}; {length_note(llm.engine)}"
