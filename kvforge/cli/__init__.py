@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return args.func(args) or 0
     except KeyboardInterrupt:  # Ctrl-C anywhere outside an answer being written (model load, start-up): one line
-        print("kvforge: interrupted", file=sys.stderr)
+        print(("\n" if sys.stderr.isatty() else "") + "kvforge: interrupted", file=sys.stderr)  # after the ^C echo
         return 130
     except KVForgeError as e:
         print(f"kvforge: error: {e}", file=sys.stderr)

@@ -15,7 +15,7 @@ import sys
 from kvforge.cli.common import add_engine_options, engine_kwargs
 from kvforge.cli.sampling import add_sampling_options, cli_defaults, describe, sampling_params
 from kvforge.cli.signals import sigint_seen, sigint_to_main_thread, start_sigint_relay
-from kvforge.cli.startup import add_chat_template_option, apply_chat_template, startup_line, template_note
+from kvforge.cli.startup import add_chat_template_option, apply_chat_template, say_loading, startup_line, template_note
 from kvforge.errors import ConfigError, KVForgeError
 
 COMMANDS = {
@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     sampling_params(args, 1)  # bad sampling flags fail before the model loads
+    say_loading(args.model)
     llm = LLM(**engine_kwargs(args))  # Ctrl-C while it loads: kvforge.cli.main prints one line, exit 130
     with sigint_to_main_thread():  # the relay thread must never take Ctrl-C itself
         if sys.stdin.isatty():

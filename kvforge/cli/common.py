@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from kvforge.config import WEIGHT_KINDS, EngineConfig
+from kvforge.errors import ConfigError
 from kvforge.kv.tiers.persist import CLOSE_TIMEOUT_S
 from kvforge.memcalc import parse_size
 from kvforge.options import json_object
@@ -121,6 +122,10 @@ def policy_kwargs(args: argparse.Namespace) -> dict:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    fraction = args.gpu_memory_utilization
+    if fraction is not None and not 0 < fraction <= 0.95:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 0.95] (the share of free memory for the KV cache), "
+                          f"got {fraction}; or give --kv-memory SIZE")
     return {
         "model": args.model,
         "kv_cache_memory": parse_size(args.kv_memory) if args.kv_memory else None,

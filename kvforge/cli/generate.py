@@ -12,7 +12,7 @@ import sys
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
 from kvforge.cli.sampling import add_sampling_options, cli_defaults, describe, sampling_params
-from kvforge.cli.startup import add_chat_template_option, apply_chat_template, startup_line, template_note
+from kvforge.cli.startup import add_chat_template_option, apply_chat_template, say_loading, startup_line, template_note
 from kvforge.errors import ConfigError
 from kvforge.version import package_version
 
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.n < 1:
         raise ConfigError(f"-n must be >= 1, got {args.n}")
     sampling_params(args, args.max_tokens, args.n)  # bad flags fail before the model loads
+    say_loading(args.model)
     with LLM(**engine_kwargs(args)) as llm:  # closing keeps the KV cache in KV tiers for the next run
         apply_chat_template(llm.get_tokenizer(), args.chat_template)
         defaults = cli_defaults(llm)

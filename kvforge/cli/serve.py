@@ -11,7 +11,7 @@ import sys
 import threading
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
-from kvforge.cli.startup import add_chat_template_option, apply_chat_template, length_note, template_note
+from kvforge.cli.startup import add_chat_template_option, apply_chat_template, length_note, say_loading, template_note
 from kvforge.errors import ConfigError
 
 API_KEY_ENV = "KVFORGE_API_KEY"
@@ -122,6 +122,7 @@ def run(args) -> int:
     sock = bind(args.host, args.port)
     app = None
     try:
+        say_loading(args.model)
         engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
         apply_chat_template(engine.tokenizer, args.chat_template)
         config = server_config(args)

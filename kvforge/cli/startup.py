@@ -48,6 +48,13 @@ def length_note(engine) -> str:
     return f"max_model_len {engine.max_model_len:,}{engine.capped_note()}"
 
 
+def say_loading(model: str | None) -> None:
+    import sys
+
+    print(f"[kvforge] loading {model or 'the embedded SmolLM2-135M-Instruct'} (Ctrl-C cancels)", file=sys.stderr,
+          flush=True)
+
+
 def startup_line(llm, template: str, sampling: str) -> str:
     name = os.path.basename(os.path.normpath(llm.engine.loaded.path))
     return f"[kvforge] {name}; {template}; {sampling}; {length_note(llm.engine)}"
