@@ -107,8 +107,7 @@ def run(args) -> int:
 
     if args.max_waiting < 0:
         raise ConfigError(f"--max-waiting must be >= 0 (0 = unlimited), got {args.max_waiting}")
-    if not args.api_key and os.environ.get(API_KEY_ENV):
-        args.api_key = [os.environ[API_KEY_ENV]]
+    args.api_key = api_keys(args.api_key)
     if any(not k for k in args.api_key):
         raise ConfigError("--api-key must not be empty")
     for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-tokens-limit", args.max_tokens_limit)):
@@ -135,6 +134,11 @@ def run(args) -> int:
         sock.close()
         if app is not None:
             close_engine(app)
+
+
+def api_keys(given: list[str]) -> list[str]:
+    """--api-key values, else the KVFORGE_API_KEY environment variable (as vLLM reads VLLM_API_KEY), else none."""
+    return given or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
 
 
 def close_engine(app) -> None:

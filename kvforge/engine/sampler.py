@@ -109,6 +109,7 @@ def _probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
 def top_logprobs(logits: torch.Tensor, token: int, k: int, decode) -> dict:
     """Log-probability of the chosen token and the k most likely alternatives."""
     logp = torch.log_softmax(logits.float(), dim=-1)
+    decode = decode or (lambda ids: None)  # a model without a tokenizer: ids and log-probabilities only
     top = torch.topk(logp, k) if k > 0 else None
     return {
         "token_id": token,
