@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from reuse_model import reuse_loaded_smollm2  # noqa: F401  (autouse fixture)
 
 from kvforge.cli import build_parser, main
 from kvforge.cli.common import engine_kwargs
@@ -42,8 +43,10 @@ def test_unsupported_values_are_refused_by_argparse(capsys, argv, words):
     (["generate", "hi", "--device", "cuda"], "no usable CUDA device"),
     (["generate", "hi", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"], "kvforge never downloads"),
     (["generate", "hi", "--chat-template", "no-such-template"], "neither a file, a Jinja template"),
+    (["generate", "hi", "--kv-tier", "disk:/proc/nope:1GiB"], "cannot use it as a writable directory"),
+    (["generate", "hi", "--kv-tier", f"disk:{__file__}:1GiB"], "cannot use it as a writable directory"),
 ])
-def test_one_line_errors_name_the_flag(capsys, argv, words):
+def test_one_line_errors_name_the_flag(capsys, smol_loaded, argv, words):
     import torch
 
     if "cuda" in argv and torch.cuda.is_available():
