@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             start_sigint_relay()
             signal.signal(signal.SIGINT, _interrupt)
     tok = llm.get_tokenizer()
-    apply_chat_template(tok, args.chat_template)
+    apply_chat_template(tok, args.chat_template, llm.engine.model_config.eos_token_ids)
     if tok is None or not tok.chat_template:
         raise ConfigError("this model has no chat template (a base model); give one with --chat-template, or use "
                           "kvforge generate --raw for plain completion")

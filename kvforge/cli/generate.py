@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     sampling_params(args, args.max_tokens, args.n)  # bad flags fail before the model loads
     say_loading(args.model)
     with LLM(**engine_kwargs(args)) as llm:  # closing keeps the KV cache in KV tiers for the next run
-        apply_chat_template(llm.get_tokenizer(), args.chat_template)
+        apply_chat_template(llm.get_tokenizer(), args.chat_template, llm.engine.model_config.eos_token_ids)
         defaults = cli_defaults(llm)
         ids = prompt_ids(llm, text, args)
         templated = not args.raw and bool(llm.get_tokenizer().chat_template)

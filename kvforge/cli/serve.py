@@ -123,7 +123,7 @@ def run(args) -> int:
     try:
         say_loading(args.model)
         engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
-        apply_chat_template(engine.tokenizer, args.chat_template)
+        apply_chat_template(engine.tokenizer, args.chat_template, engine.model_config.eos_token_ids)
         config = server_config(args)
         name = args.served_model_name or model_name(engine)
         for line in startup_lines(engine, name, f"http://{args.host}:{args.port}"):

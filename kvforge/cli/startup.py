@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from kvforge.errors import ConfigError
-from kvforge.models.chat_templates import BUILT_IN
+from kvforge.models.chat_templates import BUILT_IN, TURN_END_TOKENS
 
 
 def add_chat_template_option(g) -> None:
@@ -14,8 +14,9 @@ def add_chat_template_option(g) -> None:
                         "(default: the model's own; a base model has none and gets plain text)")
 
 
-def apply_chat_template(tokenizer, template: str | None) -> None:
-    """Give the tokenizer --chat-template's template (a file, a Jinja string or a built-in name)."""
+def apply_chat_template(tokenizer, template: str | None, eos_token_ids: list[int] | None = None) -> None:
+    """Give the tokenizer --chat-template's template (a file, a Jinja string or a built-in name); the turn-end
+    tokens it writes (e.g. <end_of_turn>) join eos_token_ids, so answers stop there."""
     if template is None:
         return
     if tokenizer is None:
@@ -34,6 +35,9 @@ def apply_chat_template(tokenizer, template: str | None) -> None:
         raise ConfigError(f"--chat-template {template!r} is neither a file, a Jinja template, nor a built-in name "
                           f"({', '.join(BUILT_IN)})")
     tokenizer.chat_template, tokenizer.chat_template_source = text, source
+    if eos_token_ids is not None:
+        ends = (tokenizer.token_to_id(t) for t in TURN_END_TOKENS if t in text)
+        eos_token_ids.extend(i for i in ends if i is not None and i not in eos_token_ids)
 
 
 def template_note(tokenizer, raw: bool = False) -> str:

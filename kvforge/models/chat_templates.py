@@ -31,6 +31,7 @@ _DEFAULTS = {"gemma": GEMMA, "gemma2": GEMMA, "gemma3": GEMMA}
 
 
 BUILT_IN = {"gemma": GEMMA}  # names `--chat-template` takes
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")  # a template writing one stops there
 _INSTRUCT_WORDS = {"it", "instruct", "chat", "sft", "dpo", "rlhf"}
 
 

@@ -68,6 +68,8 @@ def test_sizes_as_strings_and_streaming_beyond_the_context():
 def test_llm_takes_vllm_keyword_names_and_size_strings(smol_loaded):
     from kvforge.llm import LLM
 
-    llm = LLM(kv_cache_memory="32MiB", gpu_memory_utilization=0.2, max_model_len=512)
-    assert llm.engine.config.kv_cache_memory == 32 << 20 and llm.engine.config.kv_cache_memory_fraction == 0.2
+    llm = LLM(kv_cache_memory="32MiB", max_model_len=512)
+    assert llm.engine.config.kv_cache_memory == 32 << 20
     assert llm.engine.kv.stats()["kv_bytes_total"] <= 32 << 20
+    llm = LLM(gpu_memory_utilization=0.01, max_model_len=512)
+    assert llm.engine.config.kv_cache_memory_fraction == 0.01 and llm.engine.config.kv_cache_memory is None
