@@ -170,6 +170,9 @@ def run_on_ray(args) -> int:
     from kvforge.serve_ray import require_ray
 
     require_ray()
+    if args.chat_template:
+        raise ConfigError("--chat-template does not reach Ray replicas yet; serve without --ray, or use a model that "
+                          "ships its template")
     from kvforge.serve_ray.launcher import RayDeployment, parse_autoscale, serve_forever
 
     d = RayDeployment(engine_kwargs(args), server_config(args), num_replicas=args.num_replicas or 2,
