@@ -62,8 +62,9 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
     for ids in prompts:
         room = limit - len(ids)
         if room < 1:
-            raise APIError(400, f"prompt has {len(ids)} tokens; this server's max_model_len is {limit}, so a prompt "
-                           f"must have at most {limit - 1} tokens", param="prompt", code="context_length_exceeded")
+            raise APIError(400, f"prompt has {len(ids)} tokens; this server's max_model_len is {limit}"
+                           f"{engine.capped_note()}, so a prompt must have at most {limit - 1} tokens",
+                           param="prompt", code="context_length_exceeded")
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
                            f"max_model_len is {limit}, so max_tokens may be at most {room}", param="max_tokens",

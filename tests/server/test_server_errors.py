@@ -84,3 +84,14 @@ def test_too_large_body_gets_413(server):
     r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and "at most" in r.json()["error"]["message"]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_prompt_past_a_capped_max_model_len_says_why(smol_loaded):
+    from conftest import ServerThread, make_engine
+
+    with ServerThread(make_engine(smol_loaded, kv_cache_memory=16 << 20, max_model_len=None)) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": list(range(100, 500)), "max_tokens": 1}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert "max_model_len is 352 (capped from the model's context of 8,192 tokens so that one sequence fits the KV " \
+           "budget of 16 MiB" in err["message"]
