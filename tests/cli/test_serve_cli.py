@@ -41,6 +41,8 @@ def test_startup_log_names_model_pool_format_and_max_model_len(smol_loaded):
     assert f"int8 ({engine.kv.block_bytes / engine.kv.block_size:,.0f} bytes/token)" in text
     assert f"{s['kv_blocks_total']:,} blocks of 16 tokens" in text
     assert "http://127.0.0.1:8000/v1" in text
+    assert "chat template: the model's own; requests without sampling fields get temperature 0.2, top_p 0.9 (the " \
+           "SmolLM2-135M-Instruct model card" in text
 
 
 @pytest.mark.parametrize("options, message", [
