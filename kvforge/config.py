@@ -105,9 +105,18 @@ class EngineConfig:
         if self.device is None:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
-            return torch.device(self.device)
+            device = torch.device(self.device)
         except RuntimeError as e:
             raise ConfigError(f"device {self.device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:0'): {e}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r}: this torch ({torch.__version__}) has no usable CUDA device; "
+                              "use device 'cpu' (or leave it unset), or install a CUDA build of torch")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {self.device!r}: only {torch.cuda.device_count()} CUDA device(s), "
+                              f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device {self.device!r}: kvforge runs on 'cpu' or 'cuda' devices")
+        return device
 
 
 def check_max_model_len(max_model_len: int, context: int, policy) -> None:

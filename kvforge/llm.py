@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import replace
+from dataclasses import fields, replace
+from functools import cached_property
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
-from kvforge.errors import InvalidRequestError
+from kvforge.errors import ConfigError, InvalidRequestError
+from kvforge.models.recommended_sampling import RecommendedSampling, recommended_sampling
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
 
@@ -16,7 +19,11 @@ class LLM:
     """LLM(model=None, **engine_options); model=None loads the embedded SmolLM2-135M-Instruct.
 
     engine_options are EngineConfig's fields; kv_cache_memory takes bytes or a size string ("512MiB"), and
-    vLLM's gpu_memory_utilization is accepted as kv_cache_memory_fraction (the share of free memory for KV).
+    vLLM's gpu_memory_utilization is accepted as kv_cache_memory_fraction (the share of free memory for KV); giving
+    a budget and a fraction at once is refused, as on the command line.
+
+    Sampling: `generate` / `chat` without params use `get_default_sampling_params()`, the model's recommended
+    sampling (as vLLM applies generation_config.json) over SamplingParams' defaults; params given are used as they are.
 
     `close()` (also on leaving `with LLM(...) as llm:`, when the LLM is garbage-collected, and at interpreter exit)
     writes the KV blocks that KV tiers would otherwise lose to them, so the next process finds them.
@@ -24,7 +31,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options):
         if "gpu_memory_utilization" in engine_options:
+            if "kv_cache_memory_fraction" in engine_options:
+                raise ConfigError("give gpu_memory_utilization or kv_cache_memory_fraction, not both (the same setting)")
             engine_options["kv_cache_memory_fraction"] = engine_options.pop("gpu_memory_utilization")
+        if engine_options.get("kv_cache_memory") is not None and "kv_cache_memory_fraction" in engine_options:
+            raise ConfigError("give kv_cache_memory (a KV budget) or gpu_memory_utilization (a share of free memory), "
+                              "not both")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._closer = weakref.finalize(self, self.engine.close)  # runs once: close(), collection or exit
 
@@ -52,19 +64,29 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+    @cached_property
+    def recommended_sampling(self) -> RecommendedSampling:
+        """The model's recommended sampling and where it comes from; empty when the model recommends none."""
+        return recommended_sampling(self.engine.loaded.path)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended sampling applied (vLLM's name)."""
+        return SamplingParams(**self.recommended_sampling.values)
+
+    def generate(self, prompts, params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         """One output per prompt, in order. A prompt is a str or a list of token ids; with n > 1 its
-        `outputs` holds the n samples."""
+        `outputs` holds the n samples. params: SamplingParams, a dict of its fields (over the model's defaults),
+        one per prompt, or None (the model's defaults)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(params, Seq) and not isinstance(params, SamplingParams):
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one or one per prompt")
-            params_list = list(params)
+            params_list = [self._params(p) for p in params]
         else:
-            params_list = [params or SamplingParams()] * len(prompts)
+            params_list = [self._params(params)] * len(prompts)
         ids: list[list[str]] = []
         try:
             for prompt, p in zip(prompts, params_list):
@@ -83,7 +105,22 @@ class LLM:
             outputs.append(first)
         return outputs
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None
+    def _params(self, params) -> SamplingParams:
+        """SamplingParams as given; a dict becomes one over the model's defaults; None is the model's defaults."""
+        if params is None:
+            return self.get_default_sampling_params()
+        if isinstance(params, SamplingParams):
+            return params
+        if isinstance(params, Mapping):
+            unknown = sorted(set(params) - {f.name for f in fields(SamplingParams)})
+            if unknown:
+                raise InvalidRequestError(f"unknown sampling field(s) {', '.join(map(str, unknown))}; SamplingParams "
+                                          f"takes {', '.join(f.name for f in fields(SamplingParams))}")
+            return SamplingParams(**{**self.recommended_sampling.values, **params})
+        raise TypeError(f"params must be a SamplingParams, a dict of its fields, or a list of them; got "
+                        f"{type(params).__name__}")
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | dict | list | None = None
              ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)

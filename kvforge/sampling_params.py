@@ -14,7 +14,8 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it the penalty alone overflow
 
 @dataclass
 class SamplingParams:
-    """temperature=0 (or below SAMPLING_EPS) is greedy. top_k <= 0 and top_p == 1 disable those filters.
+    """temperature=0 (or below SAMPLING_EPS) is greedy. top_k <= 0, top_p == 1 and min_p == 0 disable those filters
+    (min_p: drop tokens less likely than min_p times the most likely one).
 
     The defaults are the OpenAI API's (and vLLM's), shared by the CLI and the server: temperature 1.0,
     top_p 1.0, top_k off, no penalties. n samples per prompt take seeds seed, seed+1, ... when seeded.
@@ -28,6 +29,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     max_tokens: int = 16
     seed: int | None = None
     stop: list[str] | str | None = None
@@ -49,6 +51,7 @@ class SamplingParams:
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
             (_number(self.temperature) and self.temperature >= 0, f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"),
             (_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}"),
             (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0), f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}"),
             (self.seed is None or (_integer(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1] - _extra(self.n)),
              (f"seed must be None or an integer in [-2**63, 2**64 - 1] (n samples take seeds seed..seed+n-1), "

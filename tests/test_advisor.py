@@ -32,7 +32,8 @@ def answers(a) -> dict[str, str]:
 def test_llama2_general_use_is_paged_int8():
     a = advise(AdviseInputs("llama-2-7b"))
     r = a.recommendation
-    assert (r.kv_cache_dtype, r.kv_layout, r.kv_policy, r.enable_prefix_caching) == ("int8", "paged", None, False)
+    assert (r.kv_cache_dtype, r.kv_layout, r.kv_policy, r.enable_prefix_caching) == ("int8", "paged", None, True)
+    assert "prefix-caching" not in r.cli_flags()  # a free default is never advised off, shared prefixes or not
     got = answers(a)
     assert got["Is the typical context under 32K tokens"] == "yes"
     assert got["Which attention does the model use"] == "MHA"

@@ -41,8 +41,8 @@ class Candidate:
 
     def recommendation(self, shared_prefix: bool, block_size: int = 16) -> Recommendation:
         o = self.options()
-        return Recommendation(self.kv_cache_dtype, "paged", shared_prefix and not self.kv_policy,
-                              self.kv_policy, o.get("kv_policy_options"), block_size)
+        return Recommendation(self.kv_cache_dtype, "paged", True, self.kv_policy, o.get("kv_policy_options"),
+                              block_size)  # prefix caching: the default, free when unused, whatever shared_prefix
 
 
 def parse_candidate(text: str) -> Candidate:

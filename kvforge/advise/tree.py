@@ -49,7 +49,7 @@ class Advice:
         """The techniques in one line, e.g. 'GQA + paged + int8 + prefix sharing'."""
         r = self.recommendation
         parts = [self.attention_kind, r.kv_layout, r.kv_cache_dtype]
-        if r.enable_prefix_caching:
+        if r.enable_prefix_caching and self.inputs.shared_prefix and not r.kv_policy:
             parts.append("prefix sharing")
         if r.kv_policy:
             parts.append(f"{POLICY_NAMES.get(r.kv_policy, r.kv_policy)} ({r.kv_policy_options['budget']:,} tokens)")
@@ -159,11 +159,12 @@ def advise(inputs: AdviseInputs) -> Advice:
         notes.append(f"{policy} drops tokens: the loss is not in the format prior; check it with --measure")
 
     # 6. prefix sharing
+    # prefix caching stays on (the default) either way: unused, it costs nothing; never advise turning it off
     evicts = policy is not None
-    prefix = inputs.shared_prefix and not evicts
-    detail = ("blocks of a shared system prompt / earlier turns are reused, not recomputed or stored twice"
-              if prefix else "eviction rewrites a sequence's blocks, so the engine cannot share them"
-              if inputs.shared_prefix else "nothing to share; block hashing would buy nothing")
+    detail = ("eviction rewrites a sequence's blocks, so the engine shares none of them (it needs no flag for that)"
+              if evicts else "blocks of a shared system prompt / earlier turns are reused, not recomputed or stored "
+              "twice" if inputs.shared_prefix else "nothing to share now; prefix caching stays on, it costs nothing "
+              "unused")
     path.append(Step("Does the workload share prefixes (system prompts, multi-turn)?",
                      "yes" if inputs.shared_prefix else "no", "flag --shared-prefix", detail))
 
@@ -171,7 +172,7 @@ def advise(inputs: AdviseInputs) -> Advice:
     path.append(Step("Paged or contiguous cache?", "paged", "rule",
                      "blocks are allocated as sequences grow; prefix sharing and eviction need blocks"))
     options = {"budget": budget, **({"sinks": 4} if policy == "streaming" else {})} if policy else None
-    rec = Recommendation(dtype, "paged", prefix, policy, options, bs)
+    rec = Recommendation(dtype, "paged", True, policy, options, bs)
     return Advice(m.name, kind, inputs, path, rec, _consequence(m, rec, context, beyond, weights, inputs, weights_source), notes)
 
 

@@ -23,7 +23,7 @@ SUBCOMMANDS = ["chat", "generate", "serve", "memory", "advise", "eval", "bench",
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__)
     parser.add_argument("--version", action=VersionAction, help="print the version (from git in a checkout) and exit")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         try:
             module = importlib.import_module(f"kvforge.cli.{name}")
@@ -37,11 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    with sigint_to_main_thread():  # the threads torch starts at import never take Ctrl-C
-        parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        with sigint_to_main_thread():  # the threads torch starts at import never take Ctrl-C
+            parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:  # bare `kvforge`
+            parser.print_help()
+            return 0
         return args.func(args) or 0
+    except KeyboardInterrupt:  # Ctrl-C anywhere outside an answer being written (model load, start-up): one line
+        print(("\n" if sys.stderr.isatty() else "") + "kvforge: interrupted", file=sys.stderr)  # after the ^C echo
+        return 130
     except KVForgeError as e:
         print(f"kvforge: error: {e}", file=sys.stderr)
         return 2

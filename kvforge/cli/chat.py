@@ -13,8 +13,9 @@ import signal
 import sys
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
-from kvforge.cli.sampling import add_sampling_options, sampling_params
+from kvforge.cli.sampling import add_sampling_options, cli_defaults, describe, sampling_params
 from kvforge.cli.signals import sigint_seen, sigint_to_main_thread, start_sigint_relay
+from kvforge.cli.startup import add_chat_template_option, apply_chat_template, say_loading, startup_line, template_note
 from kvforge.errors import ConfigError, KVForgeError
 
 COMMANDS = {
@@ -30,6 +31,7 @@ HISTORY_FILE = os.path.join(os.path.expanduser("~"), ".kvforge_history")
 def register(sub) -> None:
     p = sub.add_parser("chat", help="chat in the terminal (streamed; /help lists commands)", description=__doc__)
     p.add_argument("--system", default=None, help="system prompt (default: none)")
+    add_chat_template_option(p)
     add_sampling_options(p, None, "most tokens per answer (default: until the model stops, up to max-model-len)")
     add_engine_options(p)
     p.set_defaults(func=run)
@@ -116,16 +118,21 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    with sigint_to_main_thread():
-        llm = LLM(**engine_kwargs(args))
+    sampling_params(args, 1)  # bad sampling flags fail before the model loads
+    say_loading(args.model)
+    llm = LLM(**engine_kwargs(args))  # Ctrl-C while it loads: kvforge.cli.main prints one line, exit 130
+    with sigint_to_main_thread():  # the relay thread must never take Ctrl-C itself
         if sys.stdin.isatty():
             start_sigint_relay()
             signal.signal(signal.SIGINT, _interrupt)
     tok = llm.get_tokenizer()
+    apply_chat_template(tok, args.chat_template, llm.engine.model_config.eos_token_ids)
     if tok is None or not tok.chat_template:
-        raise ConfigError("this model has no chat template; use kvforge generate --raw for plain completion")
-    sampling_params(args, 1)  # check the sampling flags before the first turn
+        raise ConfigError("this model has no chat template (a base model); give one with --chat-template, or use "
+                          "kvforge generate --raw for plain completion")
+    defaults = cli_defaults(llm)
     interactive = sys.stdin.isatty()
+    print(startup_line(llm, template_note(tok), describe(args, defaults)), file=sys.stderr, flush=True)
     if interactive:
         _enable_readline()
         print(f"kvforge chat with {os.path.basename(llm.engine.loaded.path)}; /help for commands, Ctrl-D or /exit "
@@ -148,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             ids = llm.render_chat(chat.messages)
             room = llm.engine.max_model_len - len(ids)
-            params = sampling_params(args, min(args.max_tokens or room, max(room, 1)))
+            params = sampling_params(args, min(args.max_tokens or room, max(room, 1)), defaults=defaults)
             if interactive:
                 print("assistant> ", end="", flush=True)
             answer = stream_request(llm.engine, ids, params)
@@ -156,5 +163,15 @@ def run(args: argparse.Namespace) -> int:
             chat.turns.pop()
             print(f"\n[error: {e}; /clear starts over]", flush=True)
             continue
-        print(" [stopped]" if answer.interrupted else "", flush=True)
+        print(" [stopped]" if answer.interrupted else _cut_note(answer, args), flush=True)
         chat.turns.append({"role": "assistant", "content": answer.text})
+
+
+def _cut_note(answer, args: argparse.Namespace) -> str:
+    """An answer that ran out of tokens says so: ' [cut at --max-tokens N]' (or at max_model_len)."""
+    output = answer.output
+    if output is None or output.finish_reason != "length":
+        return ""
+    if args.max_tokens is not None and len(output.token_ids) >= args.max_tokens:
+        return f" [cut at --max-tokens {args.max_tokens}]"
+    return " [cut: the conversation reached max_model_len; /clear starts over]"

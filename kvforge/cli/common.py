@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from kvforge.config import WEIGHT_KINDS, EngineConfig
+from kvforge.errors import ConfigError
 from kvforge.kv.tiers.persist import CLOSE_TIMEOUT_S
 from kvforge.memcalc import parse_size
 from kvforge.options import json_object
@@ -12,8 +13,8 @@ from kvforge.options import json_object
 def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) -> None:
     g = p.add_argument_group("engine (vLLM's names where vLLM has the option)")
     if model_option:
-        g.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or packaged name (gemma3-270m; "
-                       "default: embedded SmolLM2-135M)")
+        g.add_argument("-m", "--model", default=None, help="GGUF file, Hugging Face directory or packaged name "
+                       "(gemma3-270m; default: embedded SmolLM2-135M); kvforge never downloads from a model hub")
     memory = g.add_mutually_exclusive_group()
     memory.add_argument("--kv-memory", "--kv-cache-memory", default=None, metavar="SIZE",
                         help="KV cache budget, e.g. 512MiB, 2GB (default: --gpu-memory-utilization of free memory)")
@@ -26,9 +27,19 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="most sequences running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="tokens per step (the chunked-prefill budget)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest sequence, prompt + output (default: the model's context length)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn prefix sharing off")
+    g.add_argument("--max-model-len", "-c", "--ctx-size", type=int, default=None,
+                   help="longest sequence, prompt + output (default: the model's context length, capped to what one "
+                        "sequence can hold in the KV budget; the start-up line says when)")
+    prefix = g.add_mutually_exclusive_group()
+    prefix.add_argument("--no-prefix-caching", action="store_true", help="turn prefix sharing off")
+    prefix.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false",
+                        help="prefix sharing on (vLLM's flag; already the default)")
+    g.add_argument("--dtype", default="auto", type=_dtype,
+                   help="weights' compute dtype, vLLM's flag: auto or float32 (kvforge computes in float32; "
+                        "--weights int8 makes the weights smaller, --kv-cache-dtype the cache)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_tensor_parallel, default=1,
+                   help="devices one model is split over, vLLM's flag: only 1 (kvforge runs a model on one device; "
+                        "serve --ray runs replicas)")
     g.add_argument("--no-kv-groups", action="store_true",
                    help="keep every layer's whole history, sliding-window layers too (the old behaviour; "
                         "default: sliding-window layers form KV groups that free blocks behind the window)")
@@ -74,9 +85,24 @@ def add_policy_options(g) -> None:
                    help="KV eviction policy, on full-attention layers (default: full; sliding-window layers "
                         "free what falls behind their window anyway)")
     g.add_argument("--budget", type=_budget, default=None,
-                   help="KV tokens kept by --kv-policy: a count (1024) or a fraction (0.5) (default: the policy's)")
+                   help="KV tokens kept by --kv-policy: a count (1024) or a fraction (0.5) of the tokens seen "
+                        "(default: 1024 for window and streaming, 0.5 for h2o, scissorhands and snapkv)")
     g.add_argument("--kv-policy-options", default=None,
                    help='more policy options as JSON, e.g. \'{"sinks": 4}\' (default: none)')
+
+
+def _dtype(text: str) -> str:
+    if text.lower() in ("auto", "float32", "float", "fp32"):
+        return "float32"
+    raise argparse.ArgumentTypeError(f"{text!r} is not supported: kvforge computes in float32 (auto, float32); for "
+                                     "less memory use --weights int8 (weights) or --kv-cache-dtype (the KV cache)")
+
+
+def _tensor_parallel(text: str) -> int:
+    if text.strip() == "1":
+        return 1
+    raise argparse.ArgumentTypeError(f"{text!r}: kvforge runs one model on one device, so only 1 is supported; for "
+                                     "more throughput run replicas with serve --ray --num-replicas N")
 
 
 def _budget(text: str) -> int | float:
@@ -97,6 +123,10 @@ def policy_kwargs(args: argparse.Namespace) -> dict:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    fraction = args.gpu_memory_utilization
+    if fraction is not None and not 0 < fraction <= 0.95:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 0.95] (the share of free memory for the KV cache), "
+                          f"got {fraction}; or give --kv-memory SIZE")
     return {
         "model": args.model,
         "kv_cache_memory": parse_size(args.kv_memory) if args.kv_memory else None,

@@ -14,6 +14,7 @@ def register(sub) -> None:
     ppl = esub.add_parser("ppl", help="decode-faithful perplexity vs the fp32 full cache, in one run")
     ppl.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2-135M)")
     add_format_options(ppl)
+    technique_default(ppl)
     ppl.add_argument("--text", default="hamlet", help="hamlet, macbeth, hamlet+macbeth, gpl-3, ...")
     ppl.add_argument("--text-file", default=None, help="score this UTF-8 file instead of --text (default: none)")
     ppl.add_argument("--max-tokens", type=int, default=4096, help="tokens of text to score")
@@ -43,6 +44,25 @@ def register(sub) -> None:
     register_passkey(esub)
 
 
+DEFAULT_TECHNIQUE = "int8"
+
+
+def technique_default(ppl) -> None:
+    """--kv-dtype unset: int8 when no --kv-policy is given either (fp32 against the fp32 baseline measures nothing)."""
+    action = next(a for a in ppl._actions if a.dest == "kv_dtype")
+    action.default = None
+    action.help += (f" (default: {DEFAULT_TECHNIQUE} when no --kv-policy is given, else fp32, so there is always a "
+                    "technique to compare with the fp32 baseline; --panel scores every variant you pass)")
+
+
+def resolve_technique(args) -> None:
+    if args.kv_dtype is None:
+        args.kv_dtype = "fp32" if args.kv_policy or (args.panel and args.variant) else DEFAULT_TECHNIQUE
+        if args.kv_dtype != "fp32":
+            log(f"no technique given: scoring the {args.kv_dtype} cache against fp32 (pass --kv-dtype FORMAT, "
+                "--kv-policy POLICY --budget N, or --panel --variant SPEC for others)")
+
+
 def log(text: str) -> None:
     print(f"[eval] {text}", file=sys.stderr, flush=True)
 
@@ -53,6 +73,7 @@ def run_ppl(args) -> int:
     from kvforge.eval.texts import load_text
     from kvforge.models.loader import load_model
 
+    resolve_technique(args)
     if args.panel:
         if args.weights != "fp32":
             from kvforge.errors import ConfigError

@@ -11,7 +11,8 @@ import json
 import sys
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
-from kvforge.cli.sampling import add_sampling_options, sampling_params
+from kvforge.cli.sampling import add_sampling_options, cli_defaults, describe, sampling_params
+from kvforge.cli.startup import add_chat_template_option, apply_chat_template, say_loading, startup_line, template_note
 from kvforge.errors import ConfigError
 from kvforge.version import package_version
 
@@ -31,6 +32,7 @@ def register(sub) -> None:
                       help="send the prompt as plain text, without the chat template")
     mode.add_argument("--chat", action="store_true", help="require the chat template (error if the model has none)")
     p.add_argument("--system", default=None, help="system prompt (chat template only; default: none)")
+    add_chat_template_option(p)
     p.add_argument("-n", "--n", dest="n", type=int, default=1, help="completions to generate for the prompt")
     p.add_argument("--no-stream", action="store_true", help="print the answer when it is complete, not token by token")
     p.add_argument("--json", action="store_true", help="print JSON: text, token_ids, KV statistics (implies --no-stream)")
@@ -80,15 +82,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("the prompt is empty")
     if args.n < 1:
         raise ConfigError(f"-n must be >= 1, got {args.n}")
-    params = sampling_params(args, args.max_tokens, args.n)
+    sampling_params(args, args.max_tokens, args.n)  # bad flags fail before the model loads
+    say_loading(args.model)
     with LLM(**engine_kwargs(args)) as llm:  # closing keeps the KV cache in KV tiers for the next run
-        return complete(llm, text, params, args)
+        apply_chat_template(llm.get_tokenizer(), args.chat_template, llm.engine.model_config.eos_token_ids)
+        defaults = cli_defaults(llm)
+        ids = prompt_ids(llm, text, args)
+        templated = not args.raw and bool(llm.get_tokenizer().chat_template)
+        print(startup_line(llm, template_note(llm.get_tokenizer(), raw=not templated), describe(args, defaults)),
+              file=sys.stderr, flush=True)
+        return complete(llm, ids, sampling_params(args, args.max_tokens, args.n, defaults), args)
 
 
-def complete(llm, text: str, params, args: argparse.Namespace) -> int:
+def complete(llm, ids: list[int], params, args: argparse.Namespace) -> int:
     from kvforge.cli.streaming import stream_request
 
-    ids = prompt_ids(llm, text, args)
     if args.json or args.no_stream or args.n > 1:
         outs = llm.generate(ids, params)[0].outputs
         if args.json:

@@ -4,13 +4,17 @@ The port is taken before the model loads, so a busy port fails at once.
 """
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
 import threading
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
+from kvforge.cli.startup import add_chat_template_option, apply_chat_template, length_note, say_loading, template_note
 from kvforge.errors import ConfigError
+
+API_KEY_ENV = "KVFORGE_API_KEY"
 
 
 def register(sub) -> None:
@@ -21,18 +25,20 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="require 'Authorization: Bearer KEY'; repeat for several keys (tenants) (default: no key)")
+                   help="require 'Authorization: Bearer KEY'; repeat for several keys (tenants) (default: the "
+                        f"{API_KEY_ENV} environment variable if set, as vLLM's VLLM_API_KEY; else no key)")
     p.add_argument("--share-prefix-cache-across-keys", action="store_true",
                    help="let requests of different API keys share prefix-cache blocks (default: isolated per key)")
     p.add_argument("--max-waiting", type=int, default=512,
                    help="requests allowed to wait for a slot before new ones get 429 (0 = unlimited)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted (400 beyond)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body accepted (413 beyond)")
     p.add_argument("--max-tokens-limit", type=int, default=32768,
                    help="most tokens one choice may generate; also the default when a request gives no max_tokens")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: file name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     add_engine_options(p)
+    add_chat_template_option(p)
     g = p.add_argument_group("Ray Serve (pip install 'kvforge[ray]')")
     g.add_argument("--ray", action="store_true", help="serve with many engine replicas on Ray Serve")
     scale = g.add_mutually_exclusive_group()
@@ -65,13 +71,23 @@ def startup_lines(engine, model_name: str, url: str) -> list[str]:
     per_token = engine.kv.block_bytes / engine.kv.block_size
     cfg = engine.config
     return [
-        f"model: {model_name} ({engine.loaded.path}), max_model_len {engine.max_model_len:,} tokens, device {engine.device}",
+        f"model: {model_name} ({engine.loaded.path}), {length_note(engine)}, device {engine.device}",
+        f"{template_note(engine.tokenizer)}; {sampling_note(engine)}",
         (f"KV cache: {s['kv_cache_dtype']} ({per_token:,.0f} bytes/token), {cfg.kv_layout} layout, "
          f"{s['kv_blocks_total']:,} blocks of {s['kv_block_size']} tokens = {s['kv_bytes_total'] / 2**20:,.1f} MiB "
          f"({s['kv_blocks_total'] * s['kv_block_size']:,} tokens), policy {engine.policy.name}, "
          f"prefix caching {'on' if engine.kv.prefix_tree is not None else 'off'}"),
         f"serving the OpenAI API at {url}/v1 (max_num_seqs {cfg.max_num_seqs})",
     ] + tier_lines(engine)
+
+
+def sampling_note(engine) -> str:
+    from kvforge.models.recommended_sampling import recommended_sampling
+
+    recommended = recommended_sampling(engine.loaded.path)
+    if not recommended:
+        return "requests without sampling fields get the OpenAI API's defaults (the model recommends none)"
+    return f"requests without sampling fields get {recommended.describe()}"
 
 
 def tier_lines(engine) -> list[str]:
@@ -91,6 +107,7 @@ def run(args) -> int:
 
     if args.max_waiting < 0:
         raise ConfigError(f"--max-waiting must be >= 0 (0 = unlimited), got {args.max_waiting}")
+    args.api_key = api_keys(args.api_key)
     if any(not k for k in args.api_key):
         raise ConfigError("--api-key must not be empty")
     for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-tokens-limit", args.max_tokens_limit)):
@@ -104,7 +121,9 @@ def run(args) -> int:
     sock = bind(args.host, args.port)
     app = None
     try:
+        say_loading(args.model)
         engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+        apply_chat_template(engine.tokenizer, args.chat_template, engine.model_config.eos_token_ids)
         config = server_config(args)
         name = args.served_model_name or model_name(engine)
         for line in startup_lines(engine, name, f"http://{args.host}:{args.port}"):
@@ -115,6 +134,11 @@ def run(args) -> int:
         sock.close()
         if app is not None:
             close_engine(app)
+
+
+def api_keys(given: list[str]) -> list[str]:
+    """--api-key values, else the KVFORGE_API_KEY environment variable (as vLLM reads VLLM_API_KEY), else none."""
+    return given or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else [])
 
 
 def close_engine(app) -> None:
@@ -146,6 +170,9 @@ def run_on_ray(args) -> int:
     from kvforge.serve_ray import require_ray
 
     require_ray()
+    if args.chat_template:
+        raise ConfigError("--chat-template does not reach Ray replicas yet; serve without --ray, or use a model that "
+                          "ships its template")
     from kvforge.serve_ray.launcher import RayDeployment, parse_autoscale, serve_forever
 
     d = RayDeployment(engine_kwargs(args), server_config(args), num_replicas=args.num_replicas or 2,

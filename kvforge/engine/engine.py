@@ -72,6 +72,7 @@ class LLMEngine:
                 prepare_bridge(weights.model)
         self.weight_bytes = sum(resident_bytes(w.model) for w in (self.loaded, self.draft) if w is not None)
         release_freed_memory()  # loading, quantizing and packing left freed temporaries in the heap
+        self.max_model_len_capped_from: int | None = None  # the model's context, when the KV budget capped it
         num_blocks = self._num_blocks()
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
@@ -115,6 +116,7 @@ class LLMEngine:
         budget = c.kv_cache_memory
         if budget is None:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
+        self.kv_budget_bytes = budget
         draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
         if draft_spec is None:
             num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
@@ -126,6 +128,7 @@ class LLMEngine:
             lengths = range(c.block_size, self.max_model_len + 1, c.block_size)
             fits = max((n for n in lengths if self._blocks_one_sequence(n) <= num_blocks), default=0)
             if fits:  # the model's full context does not fit: cap it
+                self.max_model_len_capped_from = self.max_model_len
                 self.max_model_len, need = fits, self._blocks_one_sequence(fits)
         if num_blocks < need or num_blocks == 0:
             per_block = bytes_per_block(self.kv_spec, self.format, c.block_size, self.groups)
@@ -135,6 +138,14 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
                 "raise kv_cache_memory or lower max_model_len")
         return num_blocks
+
+    def capped_note(self) -> str:
+        """Why max_model_len is below the model's context, when the KV budget capped it; else empty."""
+        if self.max_model_len_capped_from is None:
+            return ""
+        return (f" (capped from the model's context of {self.max_model_len_capped_from:,} tokens so that one sequence "
+                f"fits the KV budget of {self.kv_budget_bytes / 2**20:.0f} MiB; raise kv_cache_memory (--kv-memory) "
+                "for longer sequences)")
 
     def _blocks_one_sequence(self, length: int) -> int:
         """Blocks one sequence of `length` tokens may hold at once: a sliding group holds its window plus the
@@ -158,7 +169,7 @@ class LLMEngine:
         text, ids = self._prompt_ids(prompt)
         if len(ids) >= self.length_limit:
             raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}{self.capped_note()}, "
                 "so the prompt must be shorter than that to leave room for at least one generated token")
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
             raise PromptTooLongError(

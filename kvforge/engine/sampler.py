@@ -1,4 +1,4 @@
-"""Sampler: penalties, greedy, temperature, top-k, top-p, with per-request seeded generators.
+"""Sampler: penalties, greedy, temperature, top-k, top-p, min-p, with per-request seeded generators.
 
 A row that cannot be sampled (NaN or +inf logits, from whatever cause) fails its own request only.
 """
@@ -84,7 +84,7 @@ def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:
 
 
 def target_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """The distribution seq samples from at each row of logits [N, vocab] (temperature, top-k, top-p applied)."""
+    """The distribution seq samples from at each row of logits [N, vocab] (temperature, top-k, top-p, min-p applied)."""
     probs = torch.stack([_probs(row, seq) for row in logits]).cpu()
     return probs / probs.sum(-1, keepdim=True)
 
@@ -101,17 +101,21 @@ def _probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if p.min_p > 0:  # drop tokens less likely than min_p times the most likely one (as vLLM, after top-k/top-p)
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return probs
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int, decode) -> dict:
     """Log-probability of the chosen token and the k most likely alternatives."""
     logp = torch.log_softmax(logits.float(), dim=-1)
+    decode = decode or (lambda ids: None)  # a model without a tokenizer: ids and log-probabilities only
     top = torch.topk(logp, k) if k > 0 else None
     return {
         "token_id": token,
         "token": decode([token]),
         "logprob": float(logp[token]),
+        "rank": int((logp > logp[token]).sum()) + 1,  # 1 = the most likely token (vLLM's Logprob.rank)
         "top": [] if top is None else [
             {"token_id": int(i), "token": decode([int(i)]), "logprob": float(v)} for v, i in zip(top.values, top.indices)
         ],

@@ -54,7 +54,10 @@ def passkey_eval(loaded, length: int = 2048, depths: tuple[float, ...] = (0.1, 0
     from kvforge.eval.ppl import engine_for
 
     tokens = (length + 16) * trials * len(depths)
-    result = {"length": length, "trials": trials, "options": options}
+    result = {"length": length, "trials": trials, "options": options,
+              "labels": {"full": "baseline (fp32 full)", "policy": technique_label(
+                  options.get("kv_cache_dtype", "fp32"), options.get("kv_policy"),
+                  (options.get("kv_policy_options") or {}).get("budget"))}}
     for label, opts in (("full", {}), ("policy", options)):
         engine = engine_for(loaded, tokens, **opts)
         acc = run_trials(engine, loaded.tokenizer, length, list(depths), trials, seed,
@@ -90,6 +93,9 @@ def run_passkey(args) -> int:
         raise ConfigError(f"--depths must be comma-separated numbers in [0, 1], got {args.depths!r}") from None
     if not all(0 <= d <= 1 for d in depths) or args.trials < 1 or args.length < 64:
         raise ConfigError("--depths must lie in [0, 1], --trials >= 1 and --length >= 64")
+    if args.kv_dtype == "fp32" and not args.kv_policy:
+        raise ConfigError("nothing to compare with the baseline (fp32 cache, no eviction): give the technique, e.g. "
+                          "--kv-policy streaming --budget 1024, --kv-policy h2o --budget 0.5, or --kv-dtype int4")
     loaded = load_model(args.model)
     r = passkey_eval(loaded, args.length, depths, args.trials, progress=not args.no_progress and default_enabled(),
                      kv_cache_dtype=args.kv_dtype, **policy_kwargs(args))

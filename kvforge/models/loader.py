@@ -44,10 +44,18 @@ def load_model(path: str | None = None, device: torch.device | str = "cpu") -> L
 
         cfg, weights, tokenizer = load_gguf(p)
     else:
+        hub = (f"; {path!r} looks like a Hugging Face repo id, and kvforge never downloads: fetch it yourself (e.g. "
+               f"`hf download {path} --local-dir DIR`) and pass DIR or a .gguf file") if _looks_like_repo_id(path) else ""
         raise ModelLoadError(f"model path {path!r} does not exist; give a .gguf file, a Hugging Face model directory "
-                             f"or a packaged model name ({', '.join(PACKAGED_MODELS)})")
+                             f"or a packaged model name ({', '.join(PACKAGED_MODELS)}){hub}")
     model = build_model(cfg, weights).to(device)
     return LoadedModel(cfg, model.eval(), tokenizer, str(p))
+
+
+def _looks_like_repo_id(path: str) -> bool:
+    """'org/name': one slash, no leading '.' or '/', no file suffix."""
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and not path.endswith((".gguf", ".json"))
 
 
 def _load_hf_dir(directory: Path):

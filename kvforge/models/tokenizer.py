@@ -117,12 +117,15 @@ class Tokenizer:
         eos_token: str | None = None,
         add_bos_token: bool = False,
         chat_template: str | None = None,
+        chat_template_source: str | None = None,
     ) -> None:
         self._tk = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.add_bos_token = add_bos_token and self.bos_token_id is not None
         self.chat_template = chat_template
+        # where the template comes from, for start-up lines; None when there is none
+        self.chat_template_source = (chat_template_source or "the model's own") if chat_template else None
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
@@ -141,12 +144,17 @@ class Tokenizer:
             i = meta.get(f"tokenizer.ggml.{key}")
             return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
+        own = meta.get("tokenizer.chat_template")
+        arch = meta.get("general.architecture")
+        fallback = None if own else default_chat_template(arch, meta)
         return cls(
             _byte_level_bpe(meta) if kind == "gpt2" else sentencepiece_bpe(meta),
             bos_token=token("bos_token_id"),
             eos_token=token("eos_token_id"),
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            chat_template=meta.get("tokenizer.chat_template") or default_chat_template(meta.get("general.architecture")),
+            chat_template=own or fallback,
+            chat_template_source=f"kvforge's {arch} template: the GGUF names an instruct model but ships none"
+            if fallback else None,
         )
 
     @classmethod

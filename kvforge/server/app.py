@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from kvforge.engine.engine import LLMEngine
 from kvforge.errors import InvalidRequestError
+from kvforge.models.recommended_sampling import recommended_sampling
 from kvforge.server import serving
 from kvforge.server.echo import add_echo, echoes
 from kvforge.server.engine_loop import EngineLoop
@@ -81,6 +82,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     keys = KeyChecker(config.api_keys)
     limits = config.limits
     tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvforge-tokenize")
+    recommended = recommended_sampling(engine.loaded.path)
 
     async def off_loop(fn, *args, **kwargs):
         """fn on a tokenizer thread: a long prompt never stalls the event loop, so other requests keep streaming."""
@@ -156,7 +158,8 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         return await off_loop(lambda: [text_ids(p, "prompt") if isinstance(p, str) else p for p in items])
 
     async def run(request: Request, req, prompts: list[list[int]], kind: str, key: str | None) -> Response:
-        prepared = serving.prepare(req, prompts, engine, salt(key, req.cache_salt), kind, name, limits.max_tokens)
+        prepared = serving.prepare(req, prompts, engine, salt(key, req.cache_salt), kind, name, limits.max_tokens,
+                                   recommended.values)
         echo = getattr(req, "echo", False)
         prefixes = await echoes(loop, prompts, req.logprobs) if echo and req.stream else None
         group = await serving.submit(loop, prepared)
@@ -208,7 +211,10 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     async def models(request: Request) -> dict:
         authorize(request)
         card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvforge",
-                "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}
+                "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
+                "sampling_defaults": serving.sampling_defaults(recommended.values),
+                "sampling_defaults_source": (f"{recommended.source}, over the OpenAI API's defaults" if recommended
+                                             else "the OpenAI API's defaults (the model recommends none)")}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvforge.sampling_params import SEED_RANGE
 from kvforge.server.errors import APIError, bad_request
@@ -13,7 +13,9 @@ T = TypeVar("T", bound=BaseModel)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """Unknown fields are refused (400), so a misspelled or unsupported option is never silently ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Body):
@@ -23,9 +25,11 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    # None: the server's default (the model's recommended sampling over SamplingParams'; GET /v1/models shows it)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # what a torch.Generator takes
     stop: str | list[str] | None = None
     n: int = 1
@@ -33,10 +37,16 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # refused unless empty
+    user: str | None = None  # OpenAI's end-user id: accepted, unused
+    # vLLM's guided decoding: refused with a 400 that says so (kvforge.server.serving.refuse_unsupported)
+    guided_json: object = None
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
 
 
 class CompletionRequest(_Sampling):
@@ -54,7 +64,15 @@ class ContentPart(_Body):
 
 class Message(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = None  # null only to say so: refused (no tool calls here)
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> Message:
+        if self.content is None:
+            raise ValueError("content must be a string or a list of text parts, not null or missing (null content "
+                             "goes with tool_calls, which this server does not support)")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -104,14 +122,18 @@ def parse_body(raw: bytes, model: type[T]) -> T:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise _field_error(e) from None
+        raise _field_error(e, model) from None
 
 
-def _field_error(e: ValidationError) -> APIError:
+def _field_error(e: ValidationError, model: type[BaseModel]) -> APIError:
     err = e.errors()[0]
     loc = err.get("loc", ())
     param = ".".join(str(p) for p in loc if not _is_type_tag(p)) or None
     head = param or "body"
+    if err.get("type") == "extra_forbidden":
+        known = ", ".join(model.model_fields) if len(loc) == 1 else "the fields the OpenAI API defines there"
+        return bad_request(f"{head}: unknown field; this server does not support it and refuses it rather than "
+                           f"ignore it (accepted: {known})", param=param)
     given = err.get("input")
     shown = json.dumps(given)[:80] if _jsonable(given) else repr(given)[:80]
     shown = "" if err.get("type") == "missing" else f" (got {shown})"

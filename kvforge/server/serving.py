@@ -17,7 +17,7 @@ from kvforge.server.protocol import ChatRequest, CompletionRequest
 from kvforge.server.responses import ChoiceText, Shaper, usage
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
-_PARAMS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "presence_penalty",
+_PARAMS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "presence_penalty",
            "frequency_penalty", "repetition_penalty")
 
 
@@ -31,8 +31,18 @@ class Prepared:
     include_usage: bool
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+
+
+def sampling_defaults(recommended: dict) -> dict:
+    """What a request's unset sampling fields take: the model's recommended sampling over SamplingParams' defaults."""
+    base = SamplingParams()
+    return {name: recommended.get(name, getattr(base, name)) for name in SAMPLING_FIELDS}
+
+
 def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engine, cache_salt: str | None,
-            kind: str, model: str, max_tokens_limit: int) -> Prepared:
+            kind: str, model: str, max_tokens_limit: int, defaults: dict | None = None) -> Prepared:
     refuse_unsupported(req)
     if isinstance(req, CompletionRequest):
         max_tokens, default_max, logprobs, want_lp = req.max_tokens, 16, req.logprobs, req.logprobs is not None
@@ -45,13 +55,16 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
     if req.seed is not None and req.seed + req.n - 1 > SEED_RANGE[1]:
         raise bad_request(f"seed={req.seed} with n={req.n}: choice j samples with seed + j, so seed may be at most "
                           f"2**64 - n = {SEED_RANGE[1] - req.n + 1}", "seed")
+    sampling = {**sampling_defaults(defaults or {}),
+                **{k: getattr(req, k) for k in SAMPLING_FIELDS if getattr(req, k) is not None}}
     limit = engine.length_limit  # the engine's own bound on prompt + output (beyond max_model_len when streaming)
     subs = []
     for ids in prompts:
         room = limit - len(ids)
         if room < 1:
-            raise APIError(400, f"prompt has {len(ids)} tokens; this server's max_model_len is {limit}, so a prompt "
-                           f"must have at most {limit - 1} tokens", param="prompt", code="context_length_exceeded")
+            raise APIError(400, f"prompt has {len(ids)} tokens; this server's max_model_len is {limit}"
+                           f"{engine.capped_note()}, so a prompt must have at most {limit - 1} tokens",
+                           param="prompt", code="context_length_exceeded")
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {len(ids)} tokens and "
                            f"max_model_len is {limit}, so max_tokens may be at most {room}", param="max_tokens",
@@ -60,11 +73,8 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
         for j in range(req.n):
             seed = None if req.seed is None else req.seed + j
             try:
-                params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                        max_tokens=n_tokens, seed=seed, stop=req.stop, ignore_eos=req.ignore_eos,
-                                        logprobs=logprobs, presence_penalty=req.presence_penalty,
-                                        frequency_penalty=req.frequency_penalty,
-                                        repetition_penalty=req.repetition_penalty)
+                params = SamplingParams(max_tokens=n_tokens, seed=seed, stop=req.stop, ignore_eos=req.ignore_eos,
+                                        logprobs=logprobs, **sampling)
             except InvalidRequestError as e:
                 raise invalid(e) from None
             subs.append(Submission(ids, params, cache_salt))
@@ -74,6 +84,10 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
 
 def refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
     """Features this server does not implement get a 400 that says so, not a plain-text 200."""
+    guided = [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(req, f) is not None]
+    if guided:
+        raise bad_request(f"{guided[0]} (vLLM's guided decoding) is not supported by this server; send the request "
+                          "without it", guided[0])
     if req.logit_bias:
         raise bad_request("logit_bias is not supported; send the request without it", "logit_bias")
     if isinstance(req, CompletionRequest):

@@ -65,3 +65,32 @@ def test_chat_exit_command_and_piped_input(tmp_path):
     assert answer.strip()  # the answer, then the unknown command's help, and "not read" was never sent
     help_lines = commands.splitlines()
     assert len(help_lines) == 5 and help_lines[0].split()[0] == "/help"
+
+
+def test_ctrl_c_while_the_model_loads_prints_one_line_and_exits_130(tmp_path):
+    """chat, generate and serve: Ctrl-C during start-up is one line on the terminal and exit code 130."""
+    env = {**os.environ, "HOME": str(tmp_path), "TERM": "xterm", "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "kvforge.cli"]
+    for argv in (base + ["chat"], base + ["generate", "Hi", "--max-tokens", "4"], base + ["serve", "--port", "0"]):
+        s = PtySession(argv + ["--kv-memory", "64MiB"], env)
+        try:
+            s.expect("loading")
+            s.send("\x03")
+            assert s.wait(timeout=60) == 130, s.output
+        finally:
+            s.kill()
+        after = [line for line in s.output.split("loading", 1)[1].replace("^C", "").splitlines() if line.strip()]
+        assert after[1:] == ["kvforge: interrupted"] and "Traceback" not in s.output, s.output
+
+
+def test_chat_marks_an_answer_cut_by_max_tokens(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path), "TERM": "xterm", "OMP_NUM_THREADS": "1"}
+    s = PtySession(CHAT + ["--max-tokens", "3"], env)
+    try:
+        s.expect("you> ")
+        s.send("Tell me a long story about a dragon.\r")
+        assert "[cut at --max-tokens 3]" in s.expect("you> ")
+        s.send("\x04")
+        assert s.wait() == 0
+    finally:
+        s.kill()

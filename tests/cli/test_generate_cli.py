@@ -66,10 +66,11 @@ def test_system_stop_and_n_samples(capsys, offline, smol_loaded):
     stop = full.split()[2]  # a word in the middle of the greedy answer
     _, out, _ = run_cli(capsys, QUESTION, "--stop", stop, "--temperature", "0", "--max-tokens", "12")
     assert out == full[: full.index(stop)] + "\n"
-    _, out, _ = run_cli(capsys, "Once upon a time", "--raw", "-n", "3", "--seed", "5", "--max-tokens", "8", "--json")
+    _, out, _ = run_cli(capsys, "Once upon a time", "--raw", "-n", "3", "--seed", "5", "--max-tokens", "8", "--json",
+                        "--temperature", "1")
     body = json.loads(out)
     samples = [s["text"] for s in body["samples"]]
-    again = offline.generate("Once upon a time", SamplingParams(n=3, seed=5, max_tokens=8))[0].outputs
+    again = offline.generate("Once upon a time", {"n": 3, "seed": 5, "max_tokens": 8, "temperature": 1.0})[0].outputs
     assert samples == [o.text for o in again] and len(set(samples)) > 1
     assert body["stats"]["generated_tokens"] == sum(len(s["token_ids"]) for s in body["samples"])
     assert body["stats"]["kvforge_version"] == package_version()
@@ -92,4 +93,7 @@ def test_unseeded_runs_differ():
 
 def test_seeded_cli_run_repeats_the_python_api(capsys, offline, smol_loaded):
     out = run_cli(capsys, "Once upon a time", "--raw", "--seed", "3", "--max-tokens", "16", "--no-stream")[1]
-    assert out == offline.generate("Once upon a time", SamplingParams(max_tokens=16, seed=3))[0].text + "\n"
+    defaults = offline.get_default_sampling_params()  # the model's recommended sampling, as the CLI's default
+    assert (defaults.temperature, defaults.top_p) == (0.2, 0.9)
+    want = SamplingParams(max_tokens=16, seed=3, temperature=defaults.temperature, top_p=defaults.top_p)
+    assert out == offline.generate("Once upon a time", want)[0].text + "\n"

@@ -7,6 +7,7 @@ import pytest
 
 from kvforge.cli import build_parser, main
 from kvforge.cli.formatting import FLAG_ACTIONS, DefaultsHelpFormatter, all_parsers
+from kvforge.cli.sampling import OLLAMA_LIKE, sampling_params
 from kvforge.sampling_params import SamplingParams
 from kvforge.server.protocol import ChatRequest, CompletionRequest
 from kvforge.version import package_version
@@ -39,7 +40,9 @@ def test_help_renders_defaults_and_version(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = capsys.readouterr().out
-    assert "--temperature T, --temp T" in text and "(default: 1.0)" in text
+    assert "--temperature T, --temp T" in text and "default: the model's recommended" in text
+    flat = " ".join(text.split())
+    assert "generation_config.json" in flat and "temperature 0.8, top_k 40, top_p 0.9 (as Ollama)" in flat
     assert "--raw, --no-chat" in text
     with pytest.raises(SystemExit) as e:
         main(["--version"])
@@ -47,14 +50,16 @@ def test_help_renders_defaults_and_version(capsys):
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
-def test_cli_sampling_defaults_are_sampling_params_and_the_servers(command):
+def test_cli_and_server_sampling_fields_unset_unless_given(command):
+    """A sampling field no flag / request sets stays None, so the model's recommended sampling fills it."""
     args = build_parser().parse_args([command, "a prompt"] if command == "generate" else [command])
-    python = SamplingParams()
-    for name in SAMPLING:
-        cli = getattr(args, name)
-        assert cli == getattr(python, name) == CompletionRequest.model_fields[name].default \
-            == ChatRequest.model_fields[name].default, name
-    assert args.repetition_penalty == python.repetition_penalty and args.seed is None is python.seed
+    for name in (*SAMPLING, "min_p", "repetition_penalty"):
+        assert getattr(args, name) is None, name
+        assert CompletionRequest.model_fields[name].default is None is ChatRequest.model_fields[name].default, name
+    assert args.seed is None is SamplingParams().seed
+    given = build_parser().parse_args([command, "--temperature", "0", "--top-k", "5", "--min-p", "0.1"])
+    assert sampling_params(given, 4, defaults=OLLAMA_LIKE) == SamplingParams(temperature=0, top_k=5, top_p=0.9,
+                                                                            min_p=0.1, max_tokens=4)
 
 
 def test_vllm_option_names_are_aliases():

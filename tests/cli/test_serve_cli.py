@@ -41,6 +41,8 @@ def test_startup_log_names_model_pool_format_and_max_model_len(smol_loaded):
     assert f"int8 ({engine.kv.block_bytes / engine.kv.block_size:,.0f} bytes/token)" in text
     assert f"{s['kv_blocks_total']:,} blocks of 16 tokens" in text
     assert "http://127.0.0.1:8000/v1" in text
+    assert "chat template: the model's own; requests without sampling fields get temperature 0.2, top_p 0.9 (the " \
+           "SmolLM2-135M-Instruct model card" in text
 
 
 @pytest.mark.parametrize("options, message", [
@@ -68,6 +70,8 @@ def test_sizes_as_strings_and_streaming_beyond_the_context():
 def test_llm_takes_vllm_keyword_names_and_size_strings(smol_loaded):
     from kvforge.llm import LLM
 
-    llm = LLM(kv_cache_memory="32MiB", gpu_memory_utilization=0.2, max_model_len=512)
-    assert llm.engine.config.kv_cache_memory == 32 << 20 and llm.engine.config.kv_cache_memory_fraction == 0.2
+    llm = LLM(kv_cache_memory="32MiB", max_model_len=512)
+    assert llm.engine.config.kv_cache_memory == 32 << 20
     assert llm.engine.kv.stats()["kv_bytes_total"] <= 32 << 20
+    llm = LLM(gpu_memory_utilization=0.01, max_model_len=512)
+    assert llm.engine.config.kv_cache_memory_fraction == 0.01 and llm.engine.config.kv_cache_memory is None

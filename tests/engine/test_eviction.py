@@ -197,8 +197,14 @@ def test_streaming_composes_with_int4(tiny_loaded):
 def test_policy_config_errors(tiny_loaded):
     with pytest.raises(ConfigError, match="unknown kv_policy"):
         _engine(tiny_loaded, "lru")
-    with pytest.raises(ConfigError, match="needs a budget"):
-        _engine(tiny_loaded, "h2o")
+    assert _engine(tiny_loaded, "h2o").policy.budget == 0.5  # each policy has a default budget
+    assert _engine(tiny_loaded, "streaming").policy.budget == 1024
+    with pytest.raises(ConfigError, match="no option 'sinkz' .did you mean 'sinks'.*--kv-policy-options"):
+        _engine(tiny_loaded, "streaming", {"budget": 32, "sinkz": 4})
+    small = _engine(tiny_loaded, "streaming", {"budget": 3}).policy  # sinks the user never set fit the budget
+    assert (small.budget, small.sinks) == (3, 2)
+    with pytest.raises(ConfigError, match="sinks must be"):  # sinks the user did set are checked as given
+        _engine(tiny_loaded, "streaming", {"budget": 3, "sinks": 4})
     with pytest.raises(ConfigError, match="paged"):
         _engine(tiny_loaded, "window", {"budget": 16}, kv_layout="contiguous", max_model_len=64)
     assert _engine(tiny_loaded, "window", {"budget": 16}).kv.prefix_tree is None

@@ -118,12 +118,22 @@ def test_greedy_token_identical_past_the_sliding_window(hf_gemma, llm):
     assert llm.engine.kv.allocator.num_used == sum(t.cached_blocks for t in llm.engine.kv.prefix_trees)
 
 
-def test_chat_uses_gemma_turns_and_end_of_turn_stops(llm):
-    tok = llm.engine.tokenizer
-    assert tok.token_to_id("<end_of_turn>") in llm.engine.loaded.config.eos_token_ids
-    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=4))
-    assert out[0].prompt_token_ids[:4] == [tok.bos_token_id, tok.token_to_id("<start_of_turn>"),
-                                           *tok.encode("user\n", add_special_tokens=False)]
+def test_base_model_gets_no_template_unless_given_one(llm):
+    """Gemma 3 270M is a base model: its GGUF ships no template, so none applies (it would babble in turns);
+    --chat-template gemma gives it Gemma's turns, and <end_of_turn> then stops an answer."""
+    from kvforge.cli.startup import apply_chat_template
+
+    tok, eos = llm.engine.tokenizer, llm.engine.loaded.config.eos_token_ids
+    assert tok.chat_template is None and tok.token_to_id("<end_of_turn>") not in eos
+    before = list(eos)
+    try:
+        apply_chat_template(tok, "gemma", eos)
+        assert tok.token_to_id("<end_of_turn>") in eos
+        out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=4))
+        assert out[0].prompt_token_ids[:4] == [tok.bos_token_id, tok.token_to_id("<start_of_turn>"),
+                                               *tok.encode("user\n", add_special_tokens=False)]
+    finally:
+        tok.chat_template, tok.chat_template_source, eos[:] = None, None, before
 
 
 def test_a_4096_token_sequence_holds_the_rows_of_the_formula(llm):

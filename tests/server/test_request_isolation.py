@@ -71,7 +71,7 @@ def test_degenerate_parameters_beside_a_running_stream(url):
 @pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
 def test_a_lone_surrogate_in_the_prompt_is_a_400(url, path):
     """JSON may escape half of a UTF-16 pair ("\\ud800"); that is no Unicode text, and the tokenizer cannot take it."""
-    raw = json.dumps({"prompt": "ab\ud800cd", "max_tokens": 2}).encode()
+    raw = json.dumps({"prompt": "ab\ud800cd", **({"max_tokens": 2} if "completions" in path else {})}).encode()
     r = httpx.post(url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]

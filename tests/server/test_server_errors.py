@@ -27,7 +27,15 @@ BAD = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}', 400, "tools",
      "not supported"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages", "non-empty"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": 2}', 200, None, ""),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": 2}', 400, "messages.0", "not null or missing"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": null}]}', 400, "messages.0", "not null"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}}',
+     400, "guided_json", "not supported"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temprature": 0}', 400, "temprature",
+     "unknown field"),
+    ("/v1/completions", b'{"prompt": "hi", "best_off": 2}', 400, "best_off", "unknown field"),
+    ("/v1/completions", b'{"prompt": "hi", "min_p": 1.5}', 400, "min_p", "min_p must be in [0, 1]"),
+    ("/v1/completions", b'{"prompt": "hi", "min_p": 0.1, "max_tokens": 2, "user": "u1"}', 200, None, ""),
     ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', 400, "messages.0.role", "Field required"),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role", "wizard"),
     ("/v1/chat/completions", b'{"messages": "hello"}', 400, "messages", "list"),
@@ -69,3 +77,21 @@ def test_server_keeps_serving_after_errors(client, model_name):
             client.completions.create(model=model_name, prompt="hi", max_tokens=-3)
     r = client.completions.create(model=model_name, prompt="hi", max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_too_large_body_gets_413(server):
+    body = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "at most" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_prompt_past_a_capped_max_model_len_says_why(smol_loaded):
+    from conftest import ServerThread, make_engine
+
+    with ServerThread(make_engine(smol_loaded, kv_cache_memory=16 << 20, max_model_len=None)) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": list(range(100, 500)), "max_tokens": 1}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded"
+    assert "max_model_len is 352 (capped from the model's context of 8,192 tokens so that one sequence fits the KV " \
+           "budget of 16 MiB" in err["message"]

@@ -9,7 +9,8 @@ different token in each layer and head).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -91,6 +92,7 @@ class KVPolicy:
     sums_queries: ClassVar[bool] = False  # observe only needs attention summed over queries (per-layer stats sum early)
     scopes: ClassVar[tuple[str, ...]] = ("sequence",)  # what may keep its own rows: sequence, layer, head
     rope_by_cache_index: ClassVar[bool] = False  # True: RoPE positions are cache indices (unbounded context)
+    default_budget: ClassVar[int | float | None] = None  # what build_policy gives when no budget is set
 
     budget: int | float | None = None
     slack: int = 16
@@ -224,13 +226,29 @@ def build_policy(name: str | None, options: dict | None = None) -> KVPolicy:
     cls = KVPolicy.registry.get(name)
     if cls is None:
         raise ConfigError(f"unknown kv_policy {name!r}; allowed: {', '.join(sorted(KVPolicy.registry))}")
-    try:
-        policy = cls(**options)
-    except TypeError as e:
-        raise ConfigError(f"kv_policy {name!r} does not take options {sorted(options)}: {e}") from None
+    check_option_names(cls, options)
+    if options.get("budget") is None and cls.default_budget is not None:
+        options["budget"] = cls.default_budget
+    budget = options.get("budget")
+    sinks = next((f.default for f in fields(cls) if f.name == "sinks"), None)
+    if "sinks" not in options and isinstance(sinks, int) and isinstance(budget, int) and not isinstance(budget, bool) \
+            and 1 <= budget <= sinks:
+        options["sinks"] = budget - 1  # a small budget keeps room for recent tokens; sinks the user never set
+    policy = cls(**options)
     if name != "full" and policy.budget is None:
         raise ConfigError(f"kv_policy {name!r} needs a budget (kv_policy_options={{'budget': N}} or a fraction)")
     return policy
+
+
+def check_option_names(cls: type[KVPolicy], options: dict) -> None:
+    """Every option is one the policy takes; a misspelling is named, with the closest option and the full list."""
+    known = [f.name for f in fields(cls)]
+    for option in options:
+        if option not in known:
+            close = difflib.get_close_matches(str(option), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"kv_policy {cls.name!r} has no option {option!r}{hint}; its options: {', '.join(known)} "
+                              "(kv_policy_options in Python; --budget and --kv-policy-options JSON on the command line)")
 
 
 def check_policy_groups(policy: KVPolicy, groups) -> None:

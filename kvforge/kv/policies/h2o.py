@@ -37,6 +37,7 @@ class H2OPolicy(KVPolicy):
     """
 
     name = "h2o"
+    default_budget = 0.5  # when no budget is given
     needs_attention = True
     sums_queries = True
     scopes = ("sequence", "layer", "head")

@@ -34,6 +34,7 @@ class ScissorhandsPolicy(KVPolicy):
     """
 
     name = "scissorhands"
+    default_budget = 0.5  # when no budget is given
     needs_attention = True
     scopes = ("sequence", "layer", "head")
     history: int = 256

@@ -23,6 +23,7 @@ class SnapKVPolicy(KVPolicy):
     """
 
     name = "snapkv"
+    default_budget = 0.5  # when no budget is given
     needs_attention = True
     window: int = 32
     kernel: int = 5

@@ -22,6 +22,7 @@ class StreamingPolicy(KVPolicy):
     """
 
     name = "streaming"
+    default_budget = 1024  # when no budget is given
     rope_by_cache_index = True
     sinks: int = 4
 

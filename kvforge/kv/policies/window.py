@@ -19,6 +19,7 @@ class WindowPolicy(KVPolicy):
     """
 
     name = "window"
+    default_budget = 1024  # when no budget is given
 
     def select(self, length: int, budget: int, state: PolicyState) -> torch.Tensor:
         return recent(length, budget)

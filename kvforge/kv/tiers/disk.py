@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvforge.errors import ConfigError
 from kvforge.kv.tiers.base import Tier
 from kvforge.kv.tiers.entry import CorruptEntry, pack, unpack
 from kvforge.kv.tiers.keys import DIGEST_BYTES, BlockKey
@@ -54,11 +55,15 @@ class DiskTier(Tier):
         self.fsync = fsync  # each file reaches the disk before its rename, and the rename before the next write
         self.cold_reads = cold_reads  # drop each file from the page cache before reading it (benchmarks)
         self.corrupt_files = 0
-        os.makedirs(directory, exist_ok=True)
         self._lock = threading.Lock()  # the index; held for dict updates only, never across I/O
         self._index: OrderedDict[str, int] = OrderedDict()
         self._used = 0
-        self._lock_fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._lock_fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a path under /proc, an existing file, no permission: the user's input, one line
+            raise ConfigError(f"disk KV tier {directory!r}: cannot use it as a writable directory ({e.strerror}); "
+                              "give a directory kvforge may create or write, e.g. disk:/var/cache/kv:100GiB") from None
         with self._directory_lock():
             self._rescan()
             self._remove(self._make_room(0))  # a smaller budget than the directory holds
