@@ -29,8 +29,8 @@ def step_times(loaded, tiers: list[str] | None, steps: int, every: int, prompt_t
     e = LLMEngine(EngineConfig(kv_tiers=tiers, max_model_len=1024, kv_cache_memory=64 << 20), loaded)
     schedule, decode_only = e.scheduler.schedule, []
 
-    def scheduled():
-        batch = schedule()
+    def scheduled(*args):
+        batch = schedule(*args)
         decode_only.append(all(n == 1 for n in batch.num_new_tokens))
         return batch
 
