@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import time
 
-from kvforge.bench.progress import Progress
 from kvforge.bench.workload import random_workload
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
+from kvforge.progress import Progress
 from kvforge.sampling_params import SamplingParams
 
 

@@ -14,8 +14,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from kvforge.bench.progress import Progress
 from kvforge.bench.workload import Request, random_workload
+from kvforge.progress import Progress
 
 
 @dataclass
