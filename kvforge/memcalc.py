@@ -88,10 +88,12 @@ def _config_dtype(path: Path) -> str | None:
 ENGINE_WEIGHTS = ("fp32", "int8")  # EngineConfig(weights=...)
 
 
-def default_weights(m: ResolvedModel, weights_dtype: str | None = None,
-                    engine_weights: str | None = None) -> tuple[int, str]:
-    """Weight bytes and where they come from: --weights-dtype, a GGUF file as kvforge's engine holds it (else its
-    tensors), else the parameter count at the published dtype (fp16 when unknown). `kvforge memory` and `kvforge advise` both use this."""
+def default_weights(m: ResolvedModel, weights_dtype: str | None = None, engine_weights: str | None = None,
+                    engine_default: str | None = None) -> tuple[int, str]:
+    """Weight bytes and where they come from: --engine-weights, --weights-dtype, then the bytes kvforge's engine
+    would hold (a GGUF file always; any model the engine runs when `engine_default`, its weights mode, is given),
+    then a GGUF file's tensors, else the parameter count at the published dtype (fp16 when unknown).
+    `kvforge memory` (engine_default: EngineConfig's) and `kvforge advise` (a deployment's dtype) both use this."""
     params = parameter_count(m.config)
     if engine_weights is not None:
         if engine_weights not in ENGINE_WEIGHTS:
@@ -101,16 +103,21 @@ def default_weights(m: ResolvedModel, weights_dtype: str | None = None,
             raise ConfigError(f"kvforge's engine does not run the {m.config.arch!r} architecture; give --weights or "
                               "--weights-dtype for it")
         return engine, f"as kvforge's engine holds it with weights={engine_weights} (every layout its kernels read)"
-    if weights_dtype is None and m.file_weights_bytes:
-        engine = engine_weight_bytes(m.config)
-        if engine is not None:
-            return engine, "as kvforge's engine holds the GGUF: fp32, plus panel copies of the weights its kernels read"
-        return m.file_weights_bytes, "the GGUF file's tensors"
     if weights_dtype is not None:
         return weight_bytes(m.config, weights_dtype), f"{params / 1e9:.2f}B parameters at {weights_dtype}"
+    if m.file_weights_bytes or engine_default:
+        engine = engine_weight_bytes(m.config, engine_default or "fp32")
+        if engine is not None and m.file_weights_bytes and not engine_default:
+            return engine, "as kvforge's engine holds the GGUF: fp32, plus panel copies of the weights its kernels read"
+        if engine is not None:
+            return engine, (f"as kvforge's engine would hold it with weights={engine_default}, its default: every "
+                            "layout its kernels read")
+        if m.file_weights_bytes:
+            return m.file_weights_bytes, "the GGUF file's tensors"
     dtype = m.published_dtype or "fp16"
     how = "the published dtype" if m.published_dtype else "assumed: no dtype known; --weights-dtype sets it"
-    return weight_bytes(m.config, dtype), f"{params / 1e9:.2f}B parameters at {dtype}, {how}"
+    unrun = f"; kvforge's engine does not run {m.config.arch!r}" if engine_default else ""
+    return weight_bytes(m.config, dtype), f"{params / 1e9:.2f}B parameters at {dtype}, {how}{unrun}"
 
 
 def engine_weight_bytes(cfg: ModelConfig, weights: str = "fp32") -> int | None:
@@ -238,7 +245,8 @@ def _longest_sequence(blocks: int, block_size: int, groups: list[KVGroup] | None
 
 def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch: int = 1, kv_dtype: str = "fp16",
                   block_size: int = 16, memory: int | None = None, weights: int | None = None,
-                  weights_dtype: str | None = None, engine_weights: str | None = None) -> MemoryReport:
+                  weights_dtype: str | None = None, engine_weights: str | None = None,
+                  engine_default: str | None = None) -> MemoryReport:
     m = resolve_model(model) if isinstance(model, str) else model
     cfg = m.config
     seq_len = cfg.max_position_embeddings if seq_len is None else seq_len
@@ -266,7 +274,7 @@ def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch:
     if memory is not None:
         source = "given (--weights)"
         if weights is None:
-            weights, source = default_weights(m, weights_dtype, engine_weights)
+            weights, source = default_weights(m, weights_dtype, engine_weights, engine_default)
         report.fits = what_fits(spec, fmt, block_size, memory, weights, seq_len, batch, groups)
         report.fits.weights_source = source
     report.notes = _notes(report, cfg)

@@ -251,12 +251,35 @@ def test_gguf_unsupported_arch(tmp_path):
 
 def test_cli_json(capsys):
     assert main(["memory", "llama-2-7b", "--seq-len", "8192", "--batch", "32", "--memory", "80GiB",
-                 "--weights", "16GiB", "--json"]) == 0
+                 "--weights", "16GiB", "--kv-dtype", "fp16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["per_token_elements"] == 262_144 and out["per_token_bytes"] == 524_288
     assert out["per_sequence_bytes"] == 4 * GiB and out["total_bytes"] == 128 * GiB
     assert out["mha_ratio"] == 1.0 and out["block_overhead_bytes"] == 0
     assert out["fits"]["max_batch"] == 8192 // 512 and out["fits"]["max_seq_len"] == 8192 // 32 * 16
+
+
+def test_cli_defaults_are_what_the_engine_would_run(capsys):
+    """`kvforge memory MODEL` sizes the engine's KV format and the weight bytes the engine would hold, and says so in
+    --help; other engines' deployments are modelled with flags."""
+    from kvforge.config import EngineConfig
+    from kvforge.presets import get_preset
+
+    engine = EngineConfig()
+    assert main(["memory", "smollm2-135m", "--seq-len", "4096", "--memory", "4GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_dtype"] == engine.kv_cache_dtype == "fp32"
+    assert out["per_token_bytes"] == HAND_ELEMENTS["smollm2-135m"] * 4
+    assert out["fits"]["weights_bytes"] == engine_weight_bytes(get_preset("smollm2-135m"), engine.weights)
+    assert f"weights={engine.weights}, its default" in out["fits"]["weights_source"]
+    assert main(["memory", "smollm2-135m", "--memory", "4GiB", "--kv-dtype", "fp16", "--weights-dtype", "fp16",
+                 "--json"]) == 0
+    vllm = json.loads(capsys.readouterr().out)
+    assert vllm["per_token_bytes"] == HAND_ELEMENTS["smollm2-135m"] * 2
+    assert vllm["fits"]["weights_source"] == "0.13B parameters at fp16"
+    with pytest.raises(SystemExit):
+        main(["memory", "--help"])
+    assert "Defaults are what kvforge's engine would run" in " ".join(capsys.readouterr().out.split())
 
 
 def test_cli_table(capsys):
@@ -329,7 +352,7 @@ def test_any_decoder_config_by_its_standard_fields(tmp_path, name, capsys):
     r = memory_report(str(tmp_path), seq_len=1024)
     assert r.per_token_bytes == elements * 2 and r.arch == raw["model_type"]
     assert main(["memory", "--model", str(tmp_path), "--seq-len", "1024", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["per_token_bytes"] == elements * 2
+    assert json.loads(capsys.readouterr().out)["per_token_bytes"] == elements * 4  # the engine's fp32 KV
 
 
 def test_any_config_missing_a_needed_field_is_named(tmp_path):

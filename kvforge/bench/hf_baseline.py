@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from kvforge.bench.progress import Progress
 from kvforge.bench.workload import Request
+from kvforge.progress import Progress
 
 
 def load_hf_model(path: str):

@@ -10,7 +10,7 @@ decodes when the last is prefilled) the ratio is bounded by memory, not by round
 """
 from __future__ import annotations
 
-from kvforge.bench.memory import run_layout
+from kvforge.bench.layout_run import run_layout
 from kvforge.bench.workload import Request, random_tokens
 from kvforge.errors import ConfigError
 from kvforge.kv.formats import get_format

@@ -11,13 +11,13 @@ import statistics
 
 import torch
 
-from kvforge.bench.progress import Progress
 from kvforge.bench.timing import Clock, Span
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.sequence import SequenceStatus
 from kvforge.kv.formats import format_names, get_format, parse_format_spec
 from kvforge.kv.memory import budget_for, bytes_per_token, sequences_that_fit, side_bytes
+from kvforge.progress import Progress
 from kvforge.sampling_params import SamplingParams
 
 

@@ -5,10 +5,10 @@ import random
 import statistics
 import time
 
-from kvforge.bench.progress import Progress
 from kvforge.bench.workload import random_tokens
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
+from kvforge.progress import Progress
 from kvforge.sampling_params import SamplingParams
 
 

@@ -14,7 +14,7 @@ import random
 import time
 from collections import Counter
 
-from kvforge.bench.serve import Result, stream_one
+from kvforge.bench.streamed import Result, stream_one
 
 WORDS = ["cache", "block", "token", "prefix", "replica", "router", "engine", "layer", "head", "query", "key", "value",
          "batch", "stream", "decode", "prefill", "memory", "tier", "model", "rank", "shard", "latency", "window"]

@@ -12,23 +12,11 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 
-from kvforge.bench.progress import Progress
+from kvforge.bench.serve_ray import add_ray_options, run_ray_bench
+from kvforge.bench.streamed import Result, stream_one
 from kvforge.bench.workload import Request, random_workload
-
-
-@dataclass
-class Result:
-    ok: bool = False
-    ttft: float = 0.0
-    e2e: float = 0.0
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
-    replica: str = ""  # the x-kvforge-replica header (kvforge serve --ray)
-    cached_tokens: int = 0
+from kvforge.progress import Progress
 
 
 def register_serve(bsub) -> None:
@@ -45,16 +33,12 @@ def register_serve(bsub) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    from kvforge.bench.serve_ray import add_ray_options
-
     add_ray_options(p)
     p.set_defaults(func=run_serve_bench)
 
 
 def run_serve_bench(args) -> int:
     if args.ray:
-        from kvforge.bench.serve_ray import run_ray_bench
-
         return run_ray_bench(args)
     result = asyncio.run(serve_bench(args.url, args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
                                      args.request_rate, args.max_concurrency, args.model, args.api_key, args.seed,
@@ -114,41 +98,6 @@ async def serve_bench(url: str, num_requests: int, prompt_len: tuple[int, int], 
 def _body(model: str, req: Request) -> dict:
     return {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-
-
-async def stream_one(client, body: dict, prompt_tokens: int = 0) -> Result:
-    """POST a streaming completion and time it; errors are recorded in the Result, not raised."""
-    r = Result(prompt_tokens=prompt_tokens)
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            r.replica = resp.headers.get("x-kvforge-replica", "")
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    r.error = chunk["error"].get("message", "error")
-                    return r
-                if chunk.get("usage"):
-                    r.output_tokens = chunk["usage"]["completion_tokens"]
-                    r.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    r.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if r.ttft == 0.0:
-                        r.ttft = now - start
-                    else:
-                        r.itl.append(now - last)
-                    last = now
-        r.e2e = time.perf_counter() - start
-        r.ok = r.output_tokens > 0
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-        r.error = f"{type(e).__name__}: {e}"
-    return r
 
 
 def percentile(values: list[float], q: float) -> float:

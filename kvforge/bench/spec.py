@@ -19,13 +19,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvforge.bench.progress import Progress
 from kvforge.bench.timing import Clock
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.speculative.ngram import NgramIndex
 from kvforge.errors import ConfigError
 from kvforge.eval.texts import load_text
+from kvforge.progress import Progress
 from kvforge.sampling_params import SamplingParams
 
 TASKS = ("Copy the following passage exactly, keeping every line:\n\n{}",

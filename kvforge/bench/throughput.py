@@ -11,9 +11,9 @@ import torch
 
 from kvforge.bench.flops import engine_bytes, engine_flops, measure_matmul_peak, measure_read_bandwidth
 from kvforge.bench.hf_baseline import load_hf_model, run_hf, run_hf_fresh_process
-from kvforge.bench.progress import Progress
 from kvforge.bench.timing import Clock, Span
 from kvforge.bench.workload import Request, random_workload
+from kvforge.progress import Progress
 from kvforge.sampling_params import SamplingParams
 
 

@@ -12,13 +12,13 @@ import statistics
 import tempfile
 import time
 
-from kvforge.bench.progress import Progress
 from kvforge.bench.workload import random_tokens
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.kv.formats import get_format
 from kvforge.kv.memory import bytes_per_block, pool_bytes
 from kvforge.kv.tiers.local_redis import LocalRedis
+from kvforge.progress import Progress
 from kvforge.sampling_params import SamplingParams
 
 BLOCK = 16

@@ -31,8 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", help="device memory for weights + KV, e.g. 24GiB, 512MiB (default: none, no fit check)")
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
     p.add_argument("--weights-dtype", choices=list(WEIGHT_BYTES_PER_PARAM), default=None,
-                   help="estimate weight bytes from the parameter count at this dtype (default: a GGUF file's "
-                        "tensors, else the published dtype, as in kvforge memory)")
+                   help="estimate weight bytes from the parameter count at this dtype (default: a GGUF file as "
+                        "kvforge's engine holds it, else the published dtype)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     m = p.add_argument_group("measure")
     m.add_argument("--measure", action="store_true", help="measure candidates on the model instead of trusting the tree")

@@ -5,7 +5,7 @@ import json
 import sys
 
 from kvforge.cli.common import add_format_options, add_policy_options, format_kwargs, policy_kwargs
-from kvforge.eval.passkey import register_passkey
+from kvforge.cli.passkey import register_passkey
 
 
 def register(sub) -> None:
@@ -68,10 +68,10 @@ def log(text: str) -> None:
 
 
 def run_ppl(args) -> int:
-    from kvforge.bench.progress import default_enabled
     from kvforge.eval.ppl import ppl_eval
     from kvforge.eval.texts import load_text
     from kvforge.models.loader import load_model
+    from kvforge.progress import default_enabled
 
     resolve_technique(args)
     if args.panel:

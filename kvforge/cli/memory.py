@@ -1,9 +1,15 @@
-"""`kvforge memory MODEL`: KV bytes per token / sequence / batch, MHA ratio, and what fits in a budget."""
+"""`kvforge memory MODEL`: KV bytes per token / sequence / batch, MHA ratio, and what fits in a budget.
+
+Defaults are what kvforge's engine would run: its KV format (--kv-dtype {kv}) and, for 'what fits', the weight
+bytes it would hold (weights={weights}: every layout its kernels read; a published-dtype estimate for an
+architecture it does not run). --kv-dtype, --weights-dtype and --weights model other engines, e.g. a vLLM fp16
+deployment: --kv-dtype fp16 --weights-dtype fp16."""
 from __future__ import annotations
 
 import argparse
 import json
 
+from kvforge.config import EngineConfig
 from kvforge.errors import ConfigError
 from kvforge.kv.tiers.parse import parse_tiers
 from kvforge.memcalc import (
@@ -16,25 +22,30 @@ from kvforge.memcalc import (
 )
 from kvforge.presets import PRESETS
 
+ENGINE_KV_DTYPE, ENGINE_WEIGHTS_MODE = EngineConfig.kv_cache_dtype, EngineConfig.weights
+DESCRIPTION = __doc__.format(kv=ENGINE_KV_DTYPE, weights=ENGINE_WEIGHTS_MODE)
 EPILOG = f"presets: {', '.join(PRESETS)}"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("memory", help="KV cache memory calculator", description=__doc__, epilog=EPILOG)
+    p = subparsers.add_parser("memory", help="KV cache memory calculator", description=DESCRIPTION,
+                               epilog=EPILOG)
     p.add_argument("model", nargs="?", default=None,
                    help="preset name, any decoder's config.json (or its directory), or .gguf file "
                         "(default smollm2-135m)")
     p.add_argument("--model", dest="model_option", metavar="MODEL", help="the same, as an option (default: the positional MODEL, else smollm2-135m)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context length)")
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
-    p.add_argument("--kv-dtype", default="fp16", help="KV storage format (default fp16)")
+    p.add_argument("--kv-dtype", default=ENGINE_KV_DTYPE,
+                   help=f"KV storage format (default {ENGINE_KV_DTYPE}, the engine's; fp16 models a vLLM deployment)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--memory", help="device memory for 'what fits', e.g. 80GiB, 24GB, 512MiB, or bytes "
                                     "(default: none, no 'what fits')")
     weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--weights", help="bytes the weights take, e.g. 14GB (default: a GGUF file as kvforge's engine "
-                                           "holds it, fp32 plus panel copies; else the parameter count at the "
-                                           "published dtype; printed)")
+    weights.add_argument("--weights", help="bytes the weights take, e.g. 14GB (default: as kvforge's engine would "
+                                           f"hold them, weights={ENGINE_WEIGHTS_MODE} plus the panel copies its "
+                                           "kernels read; the parameter count at the published dtype for an "
+                                           "architecture it does not run; printed)")
     weights.add_argument("--weights-dtype", choices=list(WEIGHT_BYTES_PER_PARAM),
                          help="estimate weights from the parameter count at this dtype (default: see --weights)")
     weights.add_argument("--engine-weights", choices=list(ENGINE_WEIGHTS),
@@ -63,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         resolve_model(args.model_option or args.model or "smollm2-135m"), seq_len=args.seq_len, batch=args.batch, kv_dtype=args.kv_dtype,
         block_size=args.block_size, memory=None if args.memory is None else parse_size(args.memory),
         weights=None if args.weights is None else parse_size(args.weights), weights_dtype=args.weights_dtype,
-        engine_weights=args.engine_weights,
+        engine_weights=args.engine_weights, engine_default=ENGINE_WEIGHTS_MODE,
     )
     tiers = tier_capacity(args.kv_tiers, report.per_token_bytes)
     if args.json:

@@ -6,13 +6,13 @@ import time
 
 import torch
 
-from kvforge.bench.progress import Progress
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scoring import iter_chunk_logits
 from kvforge.errors import PromptTooLongError
 from kvforge.kv.formats import get_format
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_token, pool_bytes
+from kvforge.progress import Progress
 from kvforge.sampling_params import SamplingParams
 
 AGREEMENT_PROMPT_MEAN = 88  # agreement prompts are 32 + 16 * (i % 8) tokens long

@@ -40,6 +40,9 @@ class PlainLayerKV(LayerKV):
     def tensors(self):
         return [t for t in (self.k, self.v) if t is not None]
 
+    def plain_rows(self):
+        return (self.k, self.v) if self.v is not None else None
+
     def raw(self):
         return RawKV(RawSide("plain", [self.k]), RawSide("plain", [self.v])) if self.v is not None else None
 

@@ -105,6 +105,11 @@ class LayerKV(ABC):
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer allocated, for exact byte accounting."""
 
+    def plain_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(K, V) storage, [blocks, block_size, heads, dim] each, when a caller may store new rows in them directly
+        (scattered at flat slots, cast to their dtype) instead of calling `write`; None when rows must be encoded."""
+        return None
+
     def raw(self) -> RawKV | None:
         """The storage as tensors for in-place decoding operators; None when this layer has no such view."""
         return None

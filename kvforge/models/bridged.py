@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from kvforge.attention import AttentionMetadata, attend
-from kvforge.kv.formats import PlainLayerKV
 from kvforge.kv.pool import KVPool
 from kvforge.models.int8_weights import INT8, is_quantized
 from kvforge.ops.int8 import compiled_for
@@ -129,8 +128,6 @@ def forward_bridged(model: nn.Module, weights: BridgeWeights, x: torch.Tensor, c
 
 def _plain_write(kv: KVPool, meta: AttentionMetadata, layer: int) -> list[torch.Tensor]:
     """[k_cache, v_cache, slots] for the bridge to store the layer's new rows itself (a plain fp32/fp16/bf16 cache),
-    else []: the format's own write runs."""
-    cache = kv.layers[layer]
-    if type(cache) is not PlainLayerKV or cache.v is None:
-        return []
-    return [cache.k, cache.v, meta.for_layer(layer).slot_mapping]
+    else []: the format's own write runs (LayerKV.plain_rows says which)."""
+    rows = kv.layers[layer].plain_rows()
+    return [] if rows is None else [*rows, meta.for_layer(layer).slot_mapping]

@@ -1,7 +1,7 @@
 """Model weights moved onto 2 MB pages (Linux transparent huge pages, asked for with madvise).
 
 A decode step of one sequence streams every weight from memory once; on 4 KB pages a single thread reads them
-at ~60-70% of the bandwidth it reaches on 2 MB pages (`python -m kvforge.ops.bench_matmul --rows 1`).
+at ~60-70% of the bandwidth it reaches on 2 MB pages (`python -m kvforge.bench.matmul --rows 1`).
 PyTorch's allocator asks for huge pages only when THP_MEM_ALLOC_ENABLE is set before its first allocation,
 so `move_to_huge_pages` copies a module's large fp32 CPU tensors into one anonymous mapping advised
 MADV_HUGEPAGE and points them there (same tensor objects, same values; views and tied weights stay shared,

@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     verification) through the compiled small_linear, which reads each weight once; more rows (batched decode,
     verification, prefill) through panel_linear on the weight's panel copy (models/weight_store.py makes it when an
     engine is built), as fast as oneDNN on a packed copy at prefill sizes and faster below
-    (`python -m kvforge.ops.bench_matmul` measures them)."""
+    (`python -m kvforge.bench.matmul` measures them)."""
     if not _compiled(x) or x.dim() != 2 or (weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     rows = x.shape[0]

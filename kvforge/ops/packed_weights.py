@@ -1,9 +1,9 @@
 """oneDNN's linear with the weight packed once (blocked layout): no longer on the engine's path (panel_linear is as fast
-at prefill sizes on the weight's one panel copy, models/weight_store.py); kept for bench_matmul's comparison.
+at prefill sizes on the weight's one panel copy, models/weight_store.py); kept for bench/matmul.py's comparison.
 
 On this project's CPU (AMD EPYC, PyTorch's MKL build) `F.linear` with a few rows costs far more than one row,
 while oneDNN with a pre-packed weight runs 2 to 32 rows at about 1.1-3x the cost of one and prefill-sized
-inputs ~2.2x faster than MKL (`python -m kvforge.ops.bench_matmul`). The packed copy is made on a
+inputs ~2.2x faster than MKL (`python -m kvforge.bench.matmul`). The packed copy is made on a
 weight's first multi-row use and kept as an attribute of that weight tensor, so it lives and dies with it.
 Results agree with `F.linear` to fp32 rounding (relative 1e-6), not bit for bit. KVFORGE_PACKED_LINEAR=0 opts out.
 """

@@ -1,10 +1,10 @@
 """Evals say what they run, show progress, bound their agreement work by --max-tokens, and label columns."""
 from __future__ import annotations
 
-from kvforge.bench.progress import Progress
 from kvforge.eval.passkey import format_passkey, technique_label
 from kvforge.eval.ppl import agreement_prompt_count, ppl_eval
 from kvforge.eval.texts import load_text
+from kvforge.progress import Progress
 
 
 def test_agreement_prompts_are_bounded_by_the_scored_tokens():

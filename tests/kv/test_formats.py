@@ -63,6 +63,26 @@ def test_plain_formats_round_trip_exactly(name):
     assert torch.equal(gk, k) and torch.equal(gv, v)
 
 
+@pytest.mark.parametrize("spec", [GQA, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize("name,opts", FORMATS, ids=IDS)
+def test_plain_rows_are_offered_only_where_direct_stores_read_back(name, opts, spec):
+    """The hook the compiled layer bridge asks: rows stored straight into (K, V) gather back as written; formats
+    that encode (and K-only MLA caches) offer none."""
+    layer = get_format(name, **opts).allocate(spec, 2, 16, torch.device("cpu"))
+    rows = layer.plain_rows()
+    if name not in ("fp32", "fp16", "bf16") or not spec.has_values:
+        assert rows is None
+        return
+    k_cache, v_cache = rows
+    k = torch.randn(32, spec.num_kv_heads, spec.head_dim).to(k_cache.dtype).float()
+    v = torch.randn(32, spec.num_kv_heads, spec.v_head_dim).to(v_cache.dtype).float()
+    slots = torch.randperm(32)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[slots].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[slots].to(v_cache.dtype)
+    gk, gv = layer.gather(torch.arange(2))
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+
+
 def test_bytes_per_token_ratios_vs_fp16():
     spec = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, v_head_dim=64)
     fp16 = get_format("fp16").layer_block_bytes(spec, 16)

@@ -136,7 +136,7 @@ def test_staged_formats_exercise_every_row_source(compiled):
 
 
 def test_kernel_bench_times_every_format_and_both_ops(compiled):
-    from kvforge.ops.bench_kernel import bench
+    from kvforge.bench.attention_kernels import bench
 
     result = bench(["fp32", "kivi2"], context=40, batch=2, queries=3, rounds=1)
     assert set(result["formats"]) == {"fp32", "kivi2"}

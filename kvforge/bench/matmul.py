@@ -1,6 +1,6 @@
 """The compiled small_linear and panel_linear and oneDNN's linear on packed weights against torch's F.linear (the
 BLAS) on SmolLM2's decoder shapes, weights of 30 layers so they stream from memory as in a decode step:
-`python -m kvforge.ops.bench_matmul [--rows 1 2 4 8 16 32 128 1024] [--pages 2m 4k]`. Prints, per row count and
+`python -m kvforge.bench.matmul [--rows 1 2 4 8 16 32 128 1024] [--pages 2m 4k]`. Prints, per row count and
 shape, each path's speedup over F.linear (CPU time of this thread, medians; small_linear only up to 32 rows), and
 at one row the bandwidth (GB/s of this thread) of small_linear next to `Tensor.sum` over the same weights, with
 the weights on 2 MB pages (as the engine places them, `ops/huge_pages.py`) and on torch's default 4 KB pages."""

@@ -1,4 +1,4 @@
-"""The compiled attention kernels alone, per KV format: `python -m kvforge.ops.bench_kernel [--formats fp32 int8 ...]
+"""The compiled attention kernels alone, per KV format: `python -m kvforge.bench.attention_kernels [--formats fp32 int8 ...]
 [--context 2048] [--batch 4] [--queries 6] [--json]`.
 
 SmolLM2's attention shape (3 KV heads, 9 query heads, head dim 64, block size 16) with one cache per layer for 30

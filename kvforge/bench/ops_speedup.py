@@ -1,5 +1,5 @@
 """Decode speed with the compiled operator on and off, per KV format, in one run:
-`python -m kvforge.ops.bench [--formats fp32 int8 int4 kivi2] [--seq-len 2048] [--batch 4] [--json]`.
+`python -m kvforge.bench.ops_speedup [--formats fp32 int8 int4 kivi2] [--seq-len 2048] [--batch 4] [--json]`.
 
 Engines are filled as `kvforge bench kv-formats` fills them (random K/V through each format's write
 path). Every round times each format with the operator on and then off (KVFORGE_OPS=torch), so a noisy

@@ -1,5 +1,5 @@
 """The int8 weight kernel alone against fp32 on SmolLM2's decoder shapes, weights of 30 layers so they stream from
-memory as in a decode step: `python -m kvforge.ops.bench_int8 [--rows 1 2 4 8 16] [--baseline-source FILE]`.
+memory as in a decode step: `python -m kvforge.bench.int8_kernel [--rows 1 2 4 8 16] [--baseline-source FILE]`.
 Per row count, this thread's CPU time (median) for one call per weight of `kvforge::int8_linear`, the compiled fp32
 `small_linear` and F.linear (the BLAS), and the int8 kernel's read speed (packed weights in huge pages, as the engine
 holds them). `--baseline-source` compiles another
