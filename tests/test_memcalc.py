@@ -259,28 +259,6 @@ def test_cli_json(capsys):
     assert out["fits"]["max_batch"] == 8192 // 512 and out["fits"]["max_seq_len"] == 8192 // 32 * 16
 
 
-def test_cli_defaults_are_what_the_engine_would_run(capsys):
-    """`kvforge memory MODEL` sizes the engine's KV format and the weight bytes the engine would hold, and says so in
-    --help; other engines' deployments are modelled with flags."""
-    from kvforge.config import EngineConfig
-    from kvforge.presets import get_preset
-
-    engine = EngineConfig()
-    assert main(["memory", "smollm2-135m", "--seq-len", "4096", "--memory", "4GiB", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["kv_dtype"] == engine.kv_cache_dtype == "fp32"
-    assert out["per_token_bytes"] == HAND_ELEMENTS["smollm2-135m"] * 4
-    assert out["fits"]["weights_bytes"] == engine_weight_bytes(get_preset("smollm2-135m"), engine.weights)
-    assert f"weights={engine.weights}, its default" in out["fits"]["weights_source"]
-    assert main(["memory", "smollm2-135m", "--memory", "4GiB", "--kv-dtype", "fp16", "--weights-dtype", "fp16",
-                 "--json"]) == 0
-    vllm = json.loads(capsys.readouterr().out)
-    assert vllm["per_token_bytes"] == HAND_ELEMENTS["smollm2-135m"] * 2
-    assert vllm["fits"]["weights_source"] == "0.13B parameters at fp16"
-    with pytest.raises(SystemExit):
-        main(["memory", "--help"])
-    assert "Defaults are what kvforge's engine would run" in " ".join(capsys.readouterr().out.split())
-
 
 def test_cli_table(capsys):
     assert main(["memory", "deepseek-v3", "--seq-len", "4096"]) == 0
@@ -405,14 +383,3 @@ def test_packaged_gemma3_gguf_gives_the_config_json_figures(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3_270M))
     assert from_gguf.per_sequence_bytes == memory_report(str(tmp_path), seq_len=4096).per_sequence_bytes
     assert from_gguf.per_sequence_bytes == (3 * 4096 + 15 * 512) * 1024 and from_gguf.window_layers == 15
-
-
-def test_engine_weights_are_the_bytes_the_engine_holds_for_any_model_it_runs():
-    from kvforge.models.weight_store import planned_bytes
-
-    cfg = get_preset("smollm2-135m")
-    for mode in ("fp32", "int8"):
-        r = memory_report(resolve_model("smollm2-135m"), memory=4 * 1024 * MiB, engine_weights=mode)
-        assert r.fits.weights_bytes == planned_bytes(cfg, mode) and f"weights={mode}" in r.fits.weights_source
-    with pytest.raises(ConfigError, match="engine weights must be one of"):
-        memory_report(resolve_model("smollm2-135m"), memory=MiB, engine_weights="int4")
