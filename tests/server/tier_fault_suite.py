@@ -51,7 +51,8 @@ class SuiteConfig:
 
 # model a's engine stores each block in Redis as soon as it is computed; b's engine asks Redis for the same prompts
 SMALL = SuiteConfig((EngineSpec("a", write_through=True, redis_first=True), EngineSpec("b")), 24, 1)
-FULL = SuiteConfig((EngineSpec("a", write_through=True, redis_first=True), EngineSpec("a", weights="int8", redis_first=True),
+FULL = SuiteConfig((EngineSpec("a", write_through=True, redis_first=True), EngineSpec("a"),  # the same model twice
+                    EngineSpec("a", weights="int8", redis_first=True),
                     EngineSpec("b"), EngineSpec("b", "int8", write_through=True), EngineSpec("a", "fp16", redis_first=True),
                     EngineSpec("a", "bf16", write_through=True), EngineSpec("a", tiers=False)), 64, 6, 192 << 10)
 
