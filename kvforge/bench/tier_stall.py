@@ -1,7 +1,7 @@
 """Step time while the Redis tier is paused (SIGSTOP) against the step time without tiers.
 
 One long stream decodes while a new request with a fresh prompt arrives every few steps; each engine step is
-timed. Run once without tiers and once with a Redis tier that is paused for the whole run, then resumed. Steps are
+timed. Run without tiers, with a Redis tier, and with a Redis tier that is paused for the whole run, then resumed. Steps are
 reported all together and decode-only (every scheduled request computes one token): a step that also prefills
 takes longer by its prompt tokens, and with Redis paused several requests whose lookups waited may prefill in one.
     python -m kvforge.bench.tier_stall [--model PATH] [--steps 60] [--every 4]
@@ -71,13 +71,17 @@ def main() -> None:
     step_times(loaded, None, 4, 2, args.prompt_tokens)  # warm-up
     plain, plain_decodes = step_times(loaded, None, args.steps, args.every, args.prompt_tokens)
     with tempfile.TemporaryDirectory() as d, LocalRedis(d) as redis:
+        up, up_decodes = step_times(loaded, [redis.url], args.steps, args.every, args.prompt_tokens)
+    with tempfile.TemporaryDirectory() as d, LocalRedis(d) as redis:
         os.kill(redis.process.pid, signal.SIGSTOP)
         try:
             paused, paused_decodes = step_times(loaded, [redis.url], args.steps, args.every, args.prompt_tokens)
         finally:
             os.kill(redis.process.pid, signal.SIGCONT)
-    out = {"no_tiers": summary(plain, plain_decodes), "redis_paused": summary(paused, paused_decodes)}
+    out = {"no_tiers": summary(plain, plain_decodes), "redis_up": summary(up, up_decodes),
+           "redis_paused": summary(paused, paused_decodes)}
     out["paused_max_over_plain_max"] = round(out["redis_paused"]["max_ms"] / out["no_tiers"]["max_ms"], 2)
+    out["paused_max_over_up_max"] = round(out["redis_paused"]["max_ms"] / out["redis_up"]["max_ms"], 2)
     out["paused_decode_max_over_plain_decode_median"] = round(
         out["redis_paused"]["decode_max_ms"] / out["no_tiers"]["decode_median_ms"], 2)
     print(json.dumps(out))
