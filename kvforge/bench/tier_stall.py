@@ -26,7 +26,8 @@ from kvforge.sampling_params import SamplingParams
 def step_times(loaded, tiers: list[str] | None, steps: int, every: int, prompt_tokens: int
                ) -> tuple[list[float], list[bool]]:
     """Seconds of each step, and whether it was decode-only."""
-    e = LLMEngine(EngineConfig(kv_tiers=tiers, max_model_len=1024, kv_cache_memory=64 << 20), loaded)
+    context = min(1024, loaded.config.max_position_embeddings)
+    e = LLMEngine(EngineConfig(kv_tiers=tiers, max_model_len=context, kv_cache_memory=64 << 20), loaded)
     schedule, decode_only = e.scheduler.schedule, []
 
     def scheduled(*args):

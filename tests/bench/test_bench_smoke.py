@@ -166,3 +166,11 @@ def test_verify_cost_times_every_row_count(tiny_loaded):
     assert r["context_tokens"] == 40 and set(r["steps"]) == {"rows1", "rows2", "rows4"}
     assert r["steps"]["rows1"]["vs_decode"] == 1.0
     assert all(0 < row["lm_head_ms"] < row["ms"] for row in r["steps"].values())
+
+
+def test_tier_stall_times_every_step_and_tells_decode_only_steps(tiny_loaded):
+    from kvforge.bench.tier_stall import step_times, summary
+
+    times, decode_only = step_times(tiny_loaded, None, 6, 2, 8)
+    assert len(times) == len(decode_only) == 6 and any(decode_only) and not all(decode_only)
+    assert summary(times, decode_only)["steps"] == 6
