@@ -8,10 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from server_ready import wait_healthy
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "server"))
 from faults import write_tiny_char_model
@@ -61,14 +61,7 @@ def test_serve_writes_its_cache_on_sigterm(char_dir, tmp_path):
            "--kv-tier", f"disk:{tier_dir}:16MiB", "--kv-tier-write-back", *ENGINE]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + DEADLINE
-        while True:
-            try:
-                assert httpx.get(url + "/health", timeout=DEADLINE).status_code == 200
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.05)
+        wait_healthy(proc, url, DEADLINE)
         r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0},
                        timeout=DEADLINE)
         assert r.status_code == 200

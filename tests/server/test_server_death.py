@@ -2,10 +2,10 @@
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 from conftest import ServerThread
+from server_ready import wait_healthy
 
 DEADLINE = 30
 
@@ -34,14 +34,7 @@ def test_server_process_exits_nonzero_when_its_loop_dies(char_dir):
     try:
         port = int(proc.stdout.readline())
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + DEADLINE
-        while True:  # the port is bound before uvicorn listens on it
-            try:
-                assert httpx.get(url + "/health", timeout=DEADLINE).status_code == 200
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.05)
+        wait_healthy(proc, url, DEADLINE)
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=DEADLINE)
         assert r.status_code == 503 and "engine broken on purpose" in r.text
         assert proc.wait(DEADLINE) == 1
