@@ -43,15 +43,15 @@ class BridgeWeights:
     norms: list[list[torch.Tensor]] | None = None  # per layer: [post_attn, post_mlp, q, k] (empty: none), None: Llama's
     activation: str = "silu"  # of the gate, times up
     softcaps: list[float | None] | None = None  # per layer: attention soft-cap (Gemma 2)
+    empty: list[torch.Tensor] | None = None  # [no norm, no norm]: family_norms' halves for the first and last calls
 
     def family_norms(self, layer: int | None, next_layer: int | None) -> list[torch.Tensor] | None:
         """The bridge's family_norms for the call after `layer`'s attention (None: the first call) that prepares
         `next_layer` (None: the final norm)."""
         if self.norms is None:
             return None
-        empty = [self.final[0].new_empty(0)] * 2
-        return [*(empty if layer is None else self.norms[layer][:2]),
-                *(empty if next_layer is None else self.norms[next_layer][2:])]
+        return [*(self.empty if layer is None else self.norms[layer][:2]),
+                *(self.empty if next_layer is None else self.norms[next_layer][2:])]
 
 
 _WEIGHTS: weakref.WeakKeyDictionary[nn.Module, BridgeWeights | None] = weakref.WeakKeyDictionary()
@@ -103,7 +103,7 @@ def _gathered(model: nn.Module, activation: str) -> BridgeWeights:
               for n, layer in zip(norms, layers)],
         final=[model.model.norm.multiplier], int8=is_quantized(model), scale=layers[0].self_attn.scale,
         norms=extra if any(t.numel() for row in extra for t in row) else None, activation=activation,
-        softcaps=[layer.self_attn.softcap for layer in layers])
+        softcaps=[layer.self_attn.softcap for layer in layers], empty=[empty, empty])
 
 
 def _wide_weights(model: nn.Module) -> BridgeWeights | None:
