@@ -35,8 +35,8 @@ def family(request, tmp_path_factory):
     return request.param, hf, load_model(str(d))
 
 
-def _generate(loaded, prompts, speculative=None):
-    engine = LLMEngine(EngineConfig(block_size=8, max_model_len=64, kv_cache_memory=1 << 22,
+def _generate(loaded, prompts, speculative=None, kv_dtype="fp32"):
+    engine = LLMEngine(EngineConfig(block_size=8, max_model_len=64, kv_cache_memory=1 << 22, kv_cache_dtype=kv_dtype,
                                     enable_prefix_caching=False, speculative=speculative), loaded)
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     done = {}
@@ -68,6 +68,15 @@ def test_bridged_tokens_equal_per_op_and_transformers(family, monkeypatch, promp
     assert not calls and on == off
     for p, out in zip(prompts[:3], on):
         assert out == hf_greedy(hf, p, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp16", "int8"])
+def test_bridged_tokens_equal_per_op_on_other_kv_formats(family, monkeypatch, kv_dtype):
+    """fp16: the bridge stores K and V itself (a plain cache); int8: the format's own write runs."""
+    _, _, loaded = family
+    on = _generate(loaded, MANY, kv_dtype=kv_dtype)
+    monkeypatch.setattr(type(loaded.model), "use_bridge", False)
+    assert _generate(loaded, MANY, kv_dtype=kv_dtype) == on
 
 
 def test_gemma_projections_are_fused_views_with_panels_and_the_state_dict_unchanged(family):

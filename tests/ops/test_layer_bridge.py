@@ -164,14 +164,17 @@ def test_bridge_stores_the_next_layers_k_and_v_as_the_cache_write_would(dtype):
         torch.testing.assert_close(got_cache.float(), ref_cache.float(), rtol=1e-2, atol=1e-3)
 
 
-def test_thread_count_does_not_change_a_value():
+@pytest.mark.parametrize("family", [None, "gemma3"])
+def test_thread_count_does_not_change_a_value(family):
     post, pre, _, gen = _weights(7, 128, False, True)
     attn, residual = torch.randn(5, HEADS * DIM, generator=gen), torch.randn(5, HIDDEN, generator=gen)
     cos, sin = torch.ones(5, DIM), torch.zeros(5, DIM)
+    norms, activation = (_family_norms(family, gen), FAMILIES[family]) if family else (None, "silu")
     outs = []
     for n in (1, 2, 3):
         with threads(n):
-            outs.append(_run(torch.ops.kvforge.layer_bridge, attn, residual, cos, sin, post, pre))
+            outs.append(_run(torch.ops.kvforge.layer_bridge, attn, residual, cos, sin, post, pre, (), norms,
+                             activation))
     for out, res in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(res, outs[0][1])
 
