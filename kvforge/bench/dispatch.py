@@ -1,7 +1,7 @@
 """Count the aten operators a piece of engine work dispatches (each one is a trip through torch's
 dispatcher and, on CPU, a small kernel launch): `count_ops(fn)` for any callable, `decode_step_ops`
-for one decode step of an engine (`python -m kvforge.bench.dispatch [--batch 1 8] [--context 128]`; `per_op_*`: the
-same step without the layer bridge), and the
+for one decode step of an engine (`python -m kvforge.bench.dispatch [--batch 1 8] [--context 128] [--model M]`;
+`per_op_*`: the same step without the layer bridge; any family with `use_bridge`, e.g. `--model gemma3-270m`), and the
 median CPU time of this thread per decode step (`--time-steps N`; the file also runs as a script against
 another checkout's kvforge on PYTHONPATH, for before/after comparisons in one run).
 """
@@ -53,16 +53,16 @@ def step_cpu_ms(engine, steps: int) -> float:
 
 def dispatch_report(batches: list[int], context: int, model: str | None = None, time_steps: int = 0) -> dict:
     from kvforge.bench.kv_formats import decode_engine
-    from kvforge.models.llama import LlamaForCausalLM
     from kvforge.models.loader import load_model
 
     loaded = load_model(model)
     layers = loaded.config.num_layers
     rows = {}
-    saved = LlamaForCausalLM.use_bridge
+    family = type(loaded.model)  # LlamaForCausalLM, GemmaForCausalLM: each has use_bridge
+    saved = family.use_bridge
     for batch in batches:
         for path, bridge in (("", saved), ("per_op_", False)):  # the step as it runs, then without the layer bridge
-            LlamaForCausalLM.use_bridge = bridge
+            family.use_bridge = bridge
             try:
                 engine = decode_engine(loaded, "fp32", context - 1, batch, 8 + time_steps, 16)
                 ops = decode_step_ops(engine)
@@ -73,7 +73,7 @@ def dispatch_report(batches: list[int], context: int, model: str | None = None, 
                 if time_steps:
                     row[f"{path}cpu_ms_per_step"] = step_cpu_ms(engine, time_steps)
             finally:
-                LlamaForCausalLM.use_bridge = saved
+                family.use_bridge = saved
     return {"context": context, "layers": layers, "steps": rows}
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from kvforge.attention import AttentionMetadata
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
+from kvforge.models.int8_weights import linear
 from kvforge.models.layers import GatedMLP, RMSNorm
 from kvforge.models.mla_attention import MLAAttention, MLARotary
 from kvforge.models.moe import DeepseekMoE, is_moe_layer
@@ -56,8 +57,12 @@ class DeepseekForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def init_buffers(self) -> None:
-        """Recreate non-persistent buffers after loading weights onto a meta-built model."""
+        """Recreate non-persistent buffers after loading weights onto a meta-built model; gate and up of every
+        MLP (dense, routed and shared experts) fused into one weight (views, as in llama.py)."""
         self.rotary = _rotary(self.config)
+        for module in self.modules():
+            if isinstance(module, GatedMLP):
+                module.fuse_projections()
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool) -> torch.Tensor:
         """Hidden states [T, hidden] of the flattened tokens of one step."""
@@ -67,5 +72,8 @@ class DeepseekForCausalLM(nn.Module):
             x = layer(x, cos, sin, self.rotary, meta, kv)
         return self.model.norm(x)
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        return [self.lm_head.weight]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return linear(hidden, self.lm_head.weight)

@@ -18,12 +18,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    @property
+    def multiplier(self) -> torch.Tensor:
+        """The weight the normalized values are multiplied by (a family may store it otherwise: gemma.py)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); after `fuse_projections`, gate and up are one matmul."""
+
+    activation = "silu"  # the layer bridge's name for it (ops/layers_reference.GATED)
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()

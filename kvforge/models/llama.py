@@ -11,7 +11,7 @@ from torch import nn
 
 from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
-from kvforge.models.bridged import bridged, forward_bridged
+from kvforge.models.bridged import LayerNorms, bridged, forward_bridged
 from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import linear
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
@@ -84,6 +84,11 @@ class DecoderLayer(nn.Module):
         h = add_rms_norm(residual, self.self_attn(h, cos, sin, meta, kv), self.post_attention_layernorm)
         return self.mlp(h), residual
 
+    def bridge_norms(self) -> LayerNorms:
+        attn = self.self_attn
+        q, k = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
+        return LayerNorms(self.input_layernorm.weight, self.post_attention_layernorm.weight, None, None, q, k)
+
 
 def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     return add_rms_norm_(residual, x, norm.weight, norm.eps)
@@ -127,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         weights = bridged(self, x) if self.use_bridge else None
         if weights is not None:
             chosen = range(len(self.model.layers)) if layers is None else layers
-            return forward_bridged(self, weights, x, cos, sin, meta, kv, chosen)
+            return forward_bridged(self, weights, x, [(cos, sin)] * len(self.model.layers), meta, kv, chosen)
         for layer in self.model.layers if layers is None else (self.model.layers[i] for i in layers):
             x, residual = layer(x, residual, cos, sin, meta, kv)
         return self.model.norm(x) if residual is None else add_rms_norm(residual, x, self.model.norm)

@@ -24,6 +24,7 @@ from kvforge.kv.layer_format import LayerKV
 from kvforge.kv.policies.stats import record_decode, record_prefill, reduce_query_heads
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
+from kvforge.models.int8_weights import linear
 from kvforge.models.layers import RMSNorm
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the default eps, not rms_norm_eps
@@ -128,16 +129,21 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
         self.scale = mla_softmax_scale(cfg)
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights this module multiplies through ops `linear` (kv_b_proj's are absorbed per head instead)."""
+        query = [self.q_proj] if self.q_lora_rank is None else [self.q_a_proj, self.q_b_proj]
+        return [lin.weight for lin in (*query, self.kv_a_proj_with_mqa, self.o_proj)]
+
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            return _linear(x, self.q_proj)
+        return _linear(self.q_a_layernorm(_linear(x, self.q_a_proj)), self.q_b_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: MLARotary,
                 meta: AttentionMetadata, kv: KVPool) -> torch.Tensor:
         t, h = x.shape[0], self.num_heads
         q_nope, q_rope = self._query(x).view(t, h, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv, k_rope = _linear(x, self.kv_a_proj_with_mqa).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope = rotary.apply(q_rope, cos, sin)
         k_rope = rotary.apply(k_rope[:, None, :], cos, sin)
         kv.write(self.layer_idx, meta, torch.cat((self.kv_a_layernorm(c_kv)[:, None, :], k_rope), dim=-1), None)
@@ -147,7 +153,11 @@ class MLAAttention(nn.Module):
         out_latent = attend_latent(torch.cat((q_latent, q_rope), dim=-1), kv.layers[self.layer_idx], meta.for_layer(self.layer_idx),
                                    self.scale, self.kv_lora_rank)
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
-        return self.o_proj(out.reshape(t, h * self.v_dim))
+        return _linear(out.reshape(t, h * self.v_dim), self.o_proj)
+
+
+def _linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+    return linear(x, lin.weight, lin.bias)
 
 
 def attend_latent(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float, rank: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The fused layer bridge (csrc/layer_bridge.cpp): everything a Llama decoder does between two attentions, for
+"""The fused layer bridge (csrc/layer_bridge.cpp): everything a decoder does between two attentions (Llama's layer
+math, or a family's: Gemma's extra norms and GELU, Qwen3's head norms), for
 the rows of a decode or verification step, in one operator call and one parallel region (the per-op path crosses
 Python and forks the threads about ten times per layer). models/bridged.py runs a model's layers through it."""
 from __future__ import annotations
@@ -21,6 +22,8 @@ def serves(x: torch.Tensor) -> bool:
 
 def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  post: list[torch.Tensor], pre: list[torch.Tensor], heads: int, kv_heads: int, eps: float,
-                 kv_write: list[torch.Tensor]) -> torch.Tensor:
+                 kv_write: list[torch.Tensor], family_norms: list[torch.Tensor] | None = None,
+                 activation: str = "silu") -> torch.Tensor:
     """See layers_reference.layer_bridge for the arguments."""
-    return torch.ops.kvforge.layer_bridge(attn, residual, cos, sin, post, pre, heads, kv_heads, eps, kv_write)
+    return torch.ops.kvforge.layer_bridge(attn, residual, cos, sin, post, pre, heads, kv_heads, eps, kv_write,
+                                          family_norms, activation)

@@ -45,6 +45,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return layers_reference.silu_mul(gate_up)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up of a fused [.., 2 * inter] gate/up projection (Gemma's MLP)."""
+    if _compiled(gate_up):
+        return torch.ops.kvforge.gelu_tanh_mul(gate_up)
+    return layers_reference.gelu_tanh_mul(gate_up)
+
+
 SMALL_ROWS = 4  # without oneDNN, up to this many rows the compiled small_linear beats the BLAS
 SMALL_ROWS_WIDE = 32  # and up to this many for wide outputs (the vocabulary projection)
 WIDE = 8192

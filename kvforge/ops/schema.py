@@ -21,6 +21,8 @@ LIB.define("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()")
 LIB.impl("rope_", layers_reference.rope_, "CompositeExplicitAutograd")
 LIB.define("silu_mul(Tensor gate_up) -> Tensor")
 LIB.impl("silu_mul", layers_reference.silu_mul, "CompositeExplicitAutograd")
+LIB.define("gelu_tanh_mul(Tensor gate_up) -> Tensor")
+LIB.impl("gelu_tanh_mul", layers_reference.gelu_tanh_mul, "CompositeExplicitAutograd")
 LIB.define("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 LIB.impl("small_linear", layers_reference.linear, "CompositeExplicitAutograd")
 LIB.define("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor")
@@ -28,5 +30,6 @@ LIB.impl("panel_linear", layers_reference.panel_linear, "CompositeExplicitAutogr
 LIB.define("int8_panel_linear(Tensor x, Tensor panels, Tensor scale, int n, Tensor? bias) -> Tensor")
 LIB.impl("int8_panel_linear", layers_reference.int8_panel_linear, "CompositeExplicitAutograd")
 LIB.define("layer_bridge(Tensor? attn, Tensor(a!) residual, Tensor cos, Tensor sin, Tensor[] post, Tensor[] pre, "
-           "int heads, int kv_heads, float eps, Tensor(b!)[] kv_write) -> Tensor")
+           "int heads, int kv_heads, float eps, Tensor(b!)[] kv_write, Tensor[]? family_norms=None, "
+           "str activation='silu') -> Tensor")
 LIB.impl("layer_bridge", layers_reference.layer_bridge, "CompositeExplicitAutograd")

@@ -49,3 +49,28 @@ def test_through_the_bridge_a_layer_is_one_bridge_call_and_one_attention(tiny_lo
     for fused in ("kvforge.rms_norm", "kvforge.add_rms_norm_", "kvforge.rope_", "kvforge.silu_mul"):
         assert fused not in ops
     assert sum(per_op.values()) - sum(ops.values()) >= 10 * layers  # of about 23 a layer, about 10 left
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_a_gemma_layer_through_the_bridge_is_one_bridge_call_and_one_attention(kind, tmp_path, monkeypatch):
+    """Gemma's extra norms, GELU and head norms run inside the bridge: no per-layer operator is left but attention
+    (Gemma 2's soft-capped attention takes the torch path, so it has no paged_decode)."""
+    if not serves(torch.zeros(1, 8)):
+        pytest.skip("no compiled layer bridge on this machine")
+    from tiny_models import write_tiny_model
+
+    from kvforge.models.gemma import GemmaForCausalLM
+    from kvforge.models.loader import load_model
+
+    write_tiny_model(kind, tmp_path)
+    loaded = load_model(str(tmp_path))
+    layers = loaded.config.num_layers
+    ops = decode_step_ops(decode_engine(loaded, "fp32", 20, 3, 8, 16))
+    monkeypatch.setattr(GemmaForCausalLM, "use_bridge", False)
+    per_op = decode_step_ops(decode_engine(loaded, "fp32", 20, 3, 8, 16))
+    assert ops["kvforge.layer_bridge"] == layers + 1
+    assert ops["kvforge.paged_decode"] == (0 if kind == "gemma2" else layers)
+    for fused in ("kvforge.rms_norm", "kvforge.add_rms_norm_", "kvforge.rope_", "kvforge.gelu_tanh_mul"):
+        assert fused not in ops
+    assert per_op["kvforge.gelu_tanh_mul"] == layers and per_op["kvforge.small_linear"] == 4 * layers + 1
+    assert per_op["kvforge.add_rms_norm_"] == 2 * layers  # each residual add fused with the norm after it

@@ -116,3 +116,29 @@ def test_rerotate_moves_cached_rope_keys(kind, tiny):
         return torch.cat((rows[..., : attn.kv_lora_rank], rotary.apply(rows[..., attn.kv_lora_rank :], cos, sin)), -1)
 
     torch.testing.assert_close(rotary.rerotate(cached(pos), shift), cached(pos + shift), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v2", "deepseek-v3"])
+def test_projections_experts_and_lm_head_run_ops_linear_on_panels(kind, tiny, monkeypatch):
+    """MLA's projections, every MLP's fused gate/up and down (dense, routed and shared experts) and the LM head get
+    panel copies when the engine is built and run through ops `linear` (small_linear for a few rows, panel_linear
+    for more), with transformers' tokens."""
+    from kvforge.models.layers import GatedMLP
+    from kvforge.ops import layers as ops_layers
+    from kvforge.ops.panels import ATTRIBUTE
+
+    directory, hf = tiny(kind)
+    llm = LLM(str(directory), kv_cache_memory=1 << 20, block_size=4, max_num_batched_tokens=16)
+    model = llm.engine.loaded.model
+    mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
+    assert len(mlps) > 8 and all(m.gate_up_weight is not None for m in mlps)
+    declared = [w for m in model.modules() if hasattr(m, "linear_weights") for w in m.linear_weights()]
+    assert len(declared) == len({id(w) for w in declared}) >= 2 * len(mlps) + 3 * len(model.model.layers) + 1
+    assert all(hasattr(w, ATTRIBUTE) for w in declared)
+    assert not any("gate_up" in name for name in model.state_dict())  # fused weights are buffers, not saved
+    shapes = []
+    real = ops_layers.linear
+    monkeypatch.setattr(ops_layers, "linear", lambda x, w, b=None: shapes.append(x.shape[0]) or real(x, w, b))
+    prompt = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    assert min(shapes) == 1 and max(shapes) == 16  # decode rows and 16-token prefill chunks

@@ -118,6 +118,35 @@ def test_greedy_token_identical_past_the_sliding_window(hf_gemma, llm):
     assert llm.engine.kv.allocator.num_used == sum(t.cached_blocks for t in llm.engine.kv.prefix_trees)
 
 
+def test_bridged_and_per_op_tokens_equal_at_one_and_ten_sequences(llm, monkeypatch):
+    """Decode and 48-token chunk steps through the layer bridge (streamed weights at one row, panels at ten
+    sequences) give the per-op forward's tokens (which test_greedy_* hold to transformers')."""
+    from kvforge.models import bridged
+    from kvforge.models.gemma import GemmaForCausalLM
+    from kvforge.ops.layer_bridge import BRIDGE_ROWS, serves
+
+    if not serves(torch.zeros(1, 8)):
+        pytest.skip("no compiled layer bridge on this machine")
+    text = llm.engine.tokenizer.encode(_read("README.md"))
+    prompts = [text[i * 40: i * 40 + 40] for i in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    rows, real = [], bridged.layer_bridge
+
+    def spy(*args):
+        rows.append(args[1].shape[0])
+        return real(*args)
+
+    def both() -> list[list[int]]:
+        return [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts, params)]
+
+    monkeypatch.setattr(bridged, "layer_bridge", spy)
+    on = both()
+    assert 1 in rows and max(rows) > BRIDGE_ROWS
+    monkeypatch.setattr(GemmaForCausalLM, "use_bridge", False)
+    rows.clear()
+    assert both() == on and not rows
+
+
 def test_base_model_gets_no_template_unless_given_one(llm):
     """Gemma 3 270M is a base model: its GGUF ships no template, so none applies (it would babble in turns);
     --chat-template gemma gives it Gemma's turns, and <end_of_turn> then stops an answer."""

@@ -1,6 +1,6 @@
 """The fused layer bridge (csrc/layer_bridge.cpp) against its torch reference, for fp32 and int8 weights, every
-form (first layer, between layers, final norm) and thread count; and the engine through it against the per-op
-forward."""
+form (first layer, between layers, final norm), each family's layer math and thread count; and the engine through
+it against the per-op forward (other families: tests/models/test_bridged_families.py)."""
 from __future__ import annotations
 
 import pytest
@@ -46,10 +46,64 @@ def _weights(seed, inter, quantized, bias):
     return post, pre, [norm()], gen
 
 
-def _run(op, attn, residual, cos, sin, post, pre, kv_write=()):
+def _run(op, attn, residual, cos, sin, post, pre, kv_write=(), family_norms=None, activation="silu"):
     residual = residual.clone()
-    out = op(attn, residual, cos, sin, post, pre, HEADS, KV_HEADS, EPS, list(kv_write))
+    out = op(attn, residual, cos, sin, post, pre, HEADS, KV_HEADS, EPS, list(kv_write), family_norms, activation)
     return out, residual
+
+
+def _family_norms(family, gen):
+    """[post_attention, post_feedforward, q_norm, k_norm] as Gemma 2, Gemma 3 and Qwen3 have them."""
+    norm = lambda n: 1 + 0.5 * torch.randn(n, generator=gen)
+    sandwich = [norm(HIDDEN), norm(HIDDEN)] if family.startswith("gemma") else [EMPTY, EMPTY]
+    return sandwich + ([norm(DIM), norm(DIM)] if family in ("gemma3", "qwen3") else [EMPTY, EMPTY])
+
+
+FAMILIES = {"gemma3": "gelu_tanh", "gemma2": "gelu_tanh", "qwen3": "silu"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 24])
+def test_family_layer_math_matches_the_reference(family, rows):
+    """Gemma's output norms, GELU-tanh and head norms, Qwen3's head norms; 24 rows: the weights as panels."""
+    post, pre, final, gen = _weights(rows, 128, False, False)
+    if rows > 8:
+        post = [pack_panels(t) if i in (0, 4, 6) else t for i, t in enumerate(post)]
+        pre = [pack_panels(t) if i == 1 else t for i, t in enumerate(pre)]
+    norms = _family_norms(family, gen)
+    attn = torch.randn(rows, HEADS * DIM, generator=gen)
+    residual = torch.randn(rows, HIDDEN, generator=gen)
+    angles = torch.randn(rows, DIM // 2, generator=gen).repeat(1, 2)
+    for a, p_post, p_pre in [(None, [], pre), (attn, post, pre), (attn, post, final)]:
+        args = (a, residual, angles.cos(), angles.sin(), p_post, p_pre, (), norms, FAMILIES[family])
+        got, got_res = _run(torch.ops.kvforge.layer_bridge, *args)
+        want, want_res = _run(layers_reference.layer_bridge, *args)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_res, want_res, rtol=1e-5, atol=1e-5)
+        llama = _run(layers_reference.layer_bridge, *args[:-2])[0]
+        counts = (a is not None and family != "qwen3") or (p_pre is not final and family != "gemma2")
+        assert torch.allclose(want, llama) != counts  # output norms after attention, head norms before it
+
+
+def test_reference_family_math_is_gemmas_layer():
+    """The reference's family math written out as Gemma's decoder computes it, from the layer's input."""
+    import torch.nn.functional as F
+
+    post, pre, _, gen = _weights(5, 128, False, False)
+    post_attn, post_mlp, q_norm, k_norm = _family_norms("gemma3", gen)
+    attn, residual = torch.randn(2, HEADS * DIM, generator=gen), torch.randn(2, HIDDEN, generator=gen)
+    cos, sin = torch.ones(2, DIM), torch.zeros(2, DIM)  # RoPE at position 0: the identity
+    norm = lambda x, w: layers_reference.rms_norm(x, w, EPS)
+    stream = residual + norm(attn @ post[0].T, post_attn)
+    gate, up = (norm(stream, post[3]) @ post[4].T).chunk(2, dim=-1)
+    stream = stream + norm((F.gelu(gate, approximate="tanh") * up) @ post[6].T, post_mlp)
+    qkv = (norm(stream, pre[0]) @ pre[1].T).view(2, -1, DIM)
+    want = torch.cat([norm(qkv[:, :HEADS], q_norm), norm(qkv[:, HEADS: HEADS + KV_HEADS], k_norm),
+                      qkv[:, HEADS + KV_HEADS:]], dim=1).view(2, -1)
+    got, got_res = _run(layers_reference.layer_bridge, attn, residual, cos, sin, post, pre, (),
+                        [post_attn, post_mlp, q_norm, k_norm], "gelu_tanh")
+    torch.testing.assert_close(got_res, stream, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
@@ -110,14 +164,17 @@ def test_bridge_stores_the_next_layers_k_and_v_as_the_cache_write_would(dtype):
         torch.testing.assert_close(got_cache.float(), ref_cache.float(), rtol=1e-2, atol=1e-3)
 
 
-def test_thread_count_does_not_change_a_value():
+@pytest.mark.parametrize("family", [None, "gemma3"])
+def test_thread_count_does_not_change_a_value(family):
     post, pre, _, gen = _weights(7, 128, False, True)
     attn, residual = torch.randn(5, HEADS * DIM, generator=gen), torch.randn(5, HIDDEN, generator=gen)
     cos, sin = torch.ones(5, DIM), torch.zeros(5, DIM)
+    norms, activation = (_family_norms(family, gen), FAMILIES[family]) if family else (None, "silu")
     outs = []
     for n in (1, 2, 3):
         with threads(n):
-            outs.append(_run(torch.ops.kvforge.layer_bridge, attn, residual, cos, sin, post, pre))
+            outs.append(_run(torch.ops.kvforge.layer_bridge, attn, residual, cos, sin, post, pre, (), norms,
+                             activation))
     for out, res in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(res, outs[0][1])
 
@@ -131,6 +188,12 @@ def test_bad_arguments_say_what_is_expected():
     with pytest.raises(RuntimeError, match="qkv must give"):
         torch.ops.kvforge.layer_bridge(None, residual, torch.ones(2, DIM), torch.zeros(2, DIM), [], pre,
                                        HEADS + 1, KV_HEADS, EPS, [])
+    with pytest.raises(RuntimeError, match="activation must be 'silu' or 'gelu_tanh'"):
+        torch.ops.kvforge.layer_bridge(None, residual, torch.ones(2, DIM), torch.zeros(2, DIM), [], pre,
+                                       HEADS, KV_HEADS, EPS, [], None, "relu")
+    with pytest.raises(RuntimeError, match="q head norm weight must be contiguous fp32 with 16 elements"):
+        torch.ops.kvforge.layer_bridge(None, residual, torch.ones(2, DIM), torch.zeros(2, DIM), [], pre,
+                                       HEADS, KV_HEADS, EPS, [], [EMPTY, EMPTY, torch.ones(HIDDEN), EMPTY], "silu")
     caches = [torch.zeros(4, 8, KV_HEADS, DIM), torch.zeros(4, 8, KV_HEADS, DIM)]
     with pytest.raises(RuntimeError, match="outside the cache"):
         torch.ops.kvforge.layer_bridge(None, residual, torch.ones(2, DIM), torch.zeros(2, DIM), [], pre,

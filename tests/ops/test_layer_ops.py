@@ -59,6 +59,16 @@ def test_silu_mul_matches_the_reference_over_a_wide_range():
                                rtol=1e-5, atol=1e-5)
 
 
+def test_gelu_tanh_mul_matches_the_reference_over_a_wide_range():
+    gate_up = torch.linspace(-90, 90, 2 * 3 * 1536).reshape(3, 2 * 1536)
+    gate_up = gate_up[:, torch.randperm(2 * 1536, generator=torch.Generator().manual_seed(3))]
+    small = torch.randn(2, 2 * 640, generator=torch.Generator().manual_seed(4))  # where GELU curves
+    for x in (gate_up, small):
+        torch.testing.assert_close(torch.ops.kvforge.gelu_tanh_mul(x), layers_reference.gelu_tanh_mul(x),
+                                   rtol=1e-5, atol=1e-5)
+    assert torch.ops.kvforge.gelu_tanh_mul(small).shape == (2, 640)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33])
 def test_small_linear_matches_f_linear(rows):
     gen = torch.Generator().manual_seed(rows)

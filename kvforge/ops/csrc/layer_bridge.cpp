@@ -1,6 +1,8 @@
-// kvforge::layer_bridge: a Llama decoder's work between two attentions, for the few rows of a decode step, in one
-// call and one parallel region: o_proj, residual add + norm, gate/up, silu * up, down, residual add + the next
+// kvforge::layer_bridge: a decoder's work between two attentions, for the few rows of a decode step, in one
+// call and one parallel region: o_proj, residual add + norm, gate/up, act(gate) * up, down, residual add + the next
 // layer's input norm, its fused q/k/v projection and RoPE on q and k (or, after the last layer, the final norm).
+// The family's layer math is a parameter (Family): Llama's plain shape, or Gemma's norms of the attention and MLP
+// outputs before their residual adds, RMSNorm of each q and k head before RoPE (also Qwen3's) and GELU-tanh.
 // The threads split each matmul's output rows and meet at a barrier between phases, where the per-op path crossed
 // Python and forked the threads five times a layer. Each value is computed by the same row functions as the
 // per-op kernels (rows.h, small_matmul.h, int8_matmul.h), so the two paths give the same floats. Steps of tens of
@@ -15,6 +17,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <string>
 
 #include "int8_matmul.h"
 #include "panel_matmul.h"
@@ -72,8 +75,42 @@ Linear linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor&
 
 const float* norm_of(const at::Tensor& w, int64_t hidden, const char* name) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == hidden,
-              "layer_bridge: ", name, " weight must be contiguous fp32 with hidden (", hidden, ") elements");
+              "layer_bridge: ", name, " weight must be contiguous fp32 with ", hidden, " elements");
   return w.data_ptr<float>();
+}
+
+// The layer math a family adds to Llama's (each part absent: null / false).
+struct Family {
+  const float* post_attn = nullptr;  // RMSNorm weight of o_proj's output, before its residual add [hidden]
+  const float* post_mlp = nullptr;   // and of down's output [hidden]
+  const float* q_norm = nullptr;     // RMSNorm weight of each q head, then of each k head, before RoPE [dim]
+  const float* k_norm = nullptr;
+  bool gelu = false;                 // gelu_tanh(gate) * up instead of silu(gate) * up
+};
+
+const float* optional_norm(const at::Tensor& w, int64_t n, const char* name) {
+  return w.numel() ? norm_of(w, n, name) : nullptr;
+}
+
+Family family_of(const c10::optional<std::vector<at::Tensor>>& norms, c10::string_view activation, bool attn,
+                 bool last, int64_t hidden, int64_t D) {
+  Family f;
+  TORCH_CHECK(activation == "silu" || activation == "gelu_tanh",
+              "layer_bridge: activation must be 'silu' or 'gelu_tanh', got '", std::string(activation), "'");
+  f.gelu = activation == "gelu_tanh";
+  if (!norms.has_value() || norms->empty()) return f;
+  const auto& n = *norms;
+  TORCH_CHECK(n.size() == 4, "layer_bridge: family_norms is [post_attention, post_feedforward, q_norm, k_norm] "
+                             "(an empty tensor for each one the family lacks) or empty");
+  if (attn) {
+    f.post_attn = optional_norm(n[0], hidden, "post-attention output norm");
+    f.post_mlp = optional_norm(n[1], hidden, "post-feedforward output norm");
+  }
+  if (!last) {
+    f.q_norm = optional_norm(n[2], D, "q head norm");
+    f.k_norm = optional_norm(n[3], D, "k head norm");
+  }
+  return f;
 }
 
 // This thread's share [lo, hi) of n units.
@@ -165,7 +202,8 @@ void write_row(const at::Tensor& cache, int64_t row, const float* src, int64_t D
 
 at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor residual, const at::Tensor& cos,
                             const at::Tensor& sin, std::vector<at::Tensor> post, std::vector<at::Tensor> pre,
-                            int64_t heads, int64_t kv_heads, double eps_in, std::vector<at::Tensor> kv_write) {
+                            int64_t heads, int64_t kv_heads, double eps_in, std::vector<at::Tensor> kv_write,
+                            const c10::optional<std::vector<at::Tensor>>& family_norms, c10::string_view activation) {
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.is_contiguous(),
               "layer_bridge: residual must be contiguous fp32 [T, hidden]");
   const int64_t M = residual.size(0), hidden = residual.size(1);
@@ -206,6 +244,7 @@ at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor
                 "layer_bridge: qkv must give (heads + 2 * kv_heads) * dim outputs, cos/sin [T, dim]");
   }
   const CacheWrite cache = last ? CacheWrite() : cache_write_of(kv_write, M, kv_heads, D);
+  const Family fam = family_of(family_norms, activation, attn, last, hidden, D);
   at::Tensor out = at::empty({M, last ? hidden : qkv.N}, residual.options());
   at::Tensor scratch = at::empty({M * (3 * hidden + 3 * inter)}, residual.options());
   float* res = residual.data_ptr<float>();
@@ -221,15 +260,20 @@ at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor
       linear_share(o, ap, M, o_out, tid, team);
 #pragma omp barrier
       if (tid == 0)
-        for (int64_t m = 0; m < M; ++m) add_rms_norm_row(res + m * hidden, o_out + m * hidden, ln2, h + m * hidden, hidden, eps);
+        for (int64_t m = 0; m < M; ++m) {
+          float* o_row = o_out + m * hidden;
+          if (fam.post_attn) rms_norm_row(o_row, fam.post_attn, o_row, hidden, eps);
+          add_rms_norm_row(res + m * hidden, o_row, ln2, h + m * hidden, hidden, eps);
+        }
 #pragma omp barrier
-      int64_t r0, r1;  // gate rows [r0, r1) and the same up rows, then silu(gate) * up of them
+      int64_t r0, r1;  // gate rows [r0, r1) and the same up rows, then act(gate) * up of them
       row_share(gate_up, inter, tid, team, &r0, &r1);
       const QuantizedRows hq = quantized(gate_up, h, M);
       rows_of(gate_up, h, &hq, M, gu, 2 * inter, 0, r0, r1);
       rows_of(gate_up, h, &hq, M, gu, 2 * inter, inter, r0, r1);
+      const auto gated = fam.gelu ? gelu_tanh_mul_row : silu_mul_row;
       for (int64_t m = 0; m < M && r0 < r1; ++m)
-        silu_mul_row(gu + m * 2 * inter + r0, gu + m * 2 * inter + inter + r0, act + m * inter + r0, r1 - r0);
+        gated(gu + m * 2 * inter + r0, gu + m * 2 * inter + inter + r0, act + m * inter + r0, r1 - r0);
 #pragma omp barrier
       linear_share(down, act, M, d_out, tid, team);
 #pragma omp barrier
@@ -237,7 +281,9 @@ at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor
     float* normed = last ? y : h;
     if (tid == 0)
       for (int64_t m = 0; m < M; ++m) {
-        if (attn) add_rms_norm_row(res + m * hidden, d_out + m * hidden, ln1, normed + m * hidden, hidden, eps);
+        float* d_row = d_out + m * hidden;
+        if (attn && fam.post_mlp) rms_norm_row(d_row, fam.post_mlp, d_row, hidden, eps);
+        if (attn) add_rms_norm_row(res + m * hidden, d_row, ln1, normed + m * hidden, hidden, eps);
         else rms_norm_row(res + m * hidden, ln1, normed + m * hidden, hidden, eps);
       }
     if (!last) {
@@ -251,7 +297,11 @@ at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor
       for (int64_t task = t0; task < t1; ++task) {
         const int64_t m = task / per_row, head = task % per_row;
         float* row = y + m * qkv.N + head * D;
-        if (head < heads + kv_heads) rope_row(row, cp + m * D, sp + m * D, D, lo);
+        if (head < heads + kv_heads) {
+          const float* head_norm = head < heads ? fam.q_norm : fam.k_norm;
+          if (head_norm) rms_norm_row(row, head_norm, row, D, eps);
+          rope_row(row, cp + m * D, sp + m * D, D, lo);
+        }
         if (head >= heads && cache.active()) {
           const bool is_k = head < heads + kv_heads;
           const int64_t j = head - heads - (is_k ? 0 : kv_heads);

@@ -1,6 +1,6 @@
 // Per-layer elementwise work of a decoder in one pass each, so a decode step dispatches one operator
 // where the torch code dispatched five to ten: RMSNorm, RoPE (rotate-half, in place on q and k heads
-// of a fused projection's output), SwiGLU's silu(gate) * up, and a residual add fused with the norm after it.
+// of a fused projection's output), SwiGLU's silu(gate) * up (GeGLU's gelu_tanh(gate) * up), and a residual add fused with the norm after it.
 // fp32, rows in parallel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -71,9 +71,10 @@ void rope_cpu(at::Tensor x, const at::Tensor& cos_in, const at::Tensor& sin_in) 
   });
 }
 
-// gate_up [T, 2 * inter] (gate then up) -> silu(gate) * up [T, inter]
-at::Tensor silu_mul_cpu(const at::Tensor& gu_in) {
-  check_rows(gu_in, "silu_mul");
+// gate_up [T, 2 * inter] (gate then up) -> act(gate) * up [T, inter]
+template <void (*Row)(const float*, const float*, float*, int64_t)>
+at::Tensor gated_cpu(const at::Tensor& gu_in, const char* op) {
+  check_rows(gu_in, op);
   const at::Tensor gu = gu_in.contiguous();
   const int64_t n = gu.size(-1) / 2, rows = gu.numel() / gu.size(-1);
   auto sizes = gu.sizes().vec();
@@ -82,10 +83,13 @@ at::Tensor silu_mul_cpu(const at::Tensor& gu_in) {
   const float* src = gu.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(src + r * 2 * n, src + r * 2 * n + n, dst + r * n, n);
+    for (int64_t r = begin; r < end; ++r) Row(src + r * 2 * n, src + r * 2 * n + n, dst + r * n, n);
   });
   return out;
 }
+
+at::Tensor silu_mul_cpu(const at::Tensor& gu) { return gated_cpu<silu_mul_row>(gu, "silu_mul"); }
+at::Tensor gelu_tanh_mul_cpu(const at::Tensor& gu) { return gated_cpu<gelu_tanh_mul_row>(gu, "gelu_tanh_mul"); }
 
 }  // namespace
 }  // namespace kvforge
@@ -95,4 +99,5 @@ TORCH_LIBRARY_IMPL(kvforge, CPU, m) {
   m.impl("add_rms_norm_", &kvforge::add_rms_norm_cpu);
   m.impl("rope_", &kvforge::rope_cpu);
   m.impl("silu_mul", &kvforge::silu_mul_cpu);
+  m.impl("gelu_tanh_mul", &kvforge::gelu_tanh_mul_cpu);
 }

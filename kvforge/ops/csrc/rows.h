@@ -1,5 +1,5 @@
 // One row of a decoder's elementwise work (RMSNorm, the residual add fused with it, rotate-half RoPE, SwiGLU's
-// silu(gate) * up): shared by the per-op kernels (layers.cpp) and the fused layer bridge (layer_bridge.cpp), so
+// silu(gate) * up, GeGLU's gelu_tanh(gate) * up): shared by the per-op kernels (layers.cpp) and the fused layer bridge (layer_bridge.cpp), so
 // both compute the same floats in the same order; and a row stored in a narrower type.
 #pragma once
 
@@ -54,6 +54,18 @@ inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
     const float e = exp_nonpositive(-std::fabs(g[i]));  // sigmoid from exp(-|g|): no overflow
     const float sig = g[i] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
     o[i] = g[i] * sig * u[i];
+  }
+}
+
+// GELU's tanh form times up: 0.5 g (1 + tanh(z)) u = g sigmoid(2 z) u, z = sqrt(2 / pi) (g + 0.044715 g^3).
+inline void gelu_tanh_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  constexpr float kTwoBeta = 1.5957691216057308f, kKappa = 0.044715f;  // 2 sqrt(2 / pi)
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = g[i], z = kTwoBeta * (x + kKappa * x * x * x);
+    const float e = exp_nonpositive(-std::fabs(z));
+    const float sig = z >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    o[i] = x * sig * u[i];
   }
 }
 
