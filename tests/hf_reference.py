@@ -16,3 +16,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, last_logits_onl
         out = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
         past = out.past_key_values
     return tokens
+
+
+@torch.inference_mode()
+def hf_greedy_recomputed(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding that runs the whole sequence each step, with no cache (transformers 5.25's Mamba2ForCausalLM
+    ignores `past_key_values`, so its cached decode restarts from an empty state)."""
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]

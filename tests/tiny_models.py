@@ -32,7 +32,30 @@ def hf_config(kind: str):
         return _deepseek_config(kind)
     if kind.startswith("gemma"):
         return _gemma_config(kind)
+    if kind in RECURRENT:
+        return _recurrent_config(kind)
     raise ValueError(kind)
+
+
+RECURRENT = ("granite-hybrid", "granite-hybrid-nope", "mamba2")
+MAMBA_SMALL = {"mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_chunk_size": 16}
+
+
+def _recurrent_config(kind: str):
+    """Granite 4.0-H shaped: Mamba-2 mixers around one attention layer, MoE + shared MLP, muP multipliers (RoPE, or
+    none as the released models); pure Mamba-2. Chunk sizes of 16 so transformers' own scan crosses chunks."""
+    import transformers as tf
+
+    if kind == "mamba2":
+        return tf.Mamba2Config(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_heads=8, head_dim=16,
+                               state_size=16, n_groups=2, expand=2, conv_kernel=4, chunk_size=16, initializer_range=0.2)
+    return tf.GraniteMoeHybridConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, **MAMBA_SMALL,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+        position_embedding_type="rope" if kind == "granite-hybrid" else None, embedding_multiplier=2.0,
+        logits_scaling=1.5, residual_multiplier=0.7, attention_multiplier=0.2)
 
 
 def _gemma_config(kind: str):

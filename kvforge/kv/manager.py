@@ -14,7 +14,7 @@ import torch
 
 from kvforge.kv.blocks import BlockAllocator
 from kvforge.kv.connector import KVConnector
-from kvforge.kv.groups import NULL_BLOCK, KVGroup
+from kvforge.kv.groups import NULL_BLOCK, KVGroup, StateGroup, state_bytes_per_sequence
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block
 from kvforge.kv.pool import KVPool
@@ -23,6 +23,7 @@ from kvforge.kv.request_kv import RequestKV
 from kvforge.kv.sliding_prefix import SlidingPrefixTree
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.kv.staging import StagingWindows
+from kvforge.kv.state_pool import StatePool
 from kvforge.kv.transfers import ConnectorTransfers
 
 _EMPTY = RequestKV()
@@ -31,12 +32,18 @@ _EMPTY = RequestKV()
 class KVCacheManager(StagingWindows):
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
-                 max_num_seqs: int = 1, groups: list[KVGroup] | None = None):
+                 max_num_seqs: int = 1, groups: list[KVGroup] | None = None,
+                 state_groups: list[StateGroup] | None = None):
         self.spec, self.format, self.block_size, self.layout = spec, fmt, block_size, layout
         self.max_model_len = max_model_len
         self.groups = groups or [KVGroup(tuple(range(spec.num_layers)), None)]
         self.group_of_layer = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
         self.pool = KVPool(spec, fmt, num_blocks, block_size, device, max_num_seqs, self.groups)
+        # recurrent layers: one state slot per sequence that may run, beside the blocks (models read pool.state)
+        self.state_groups = list(state_groups or [])
+        self.state_pool = StatePool(self.state_groups, max_num_seqs, device) if self.state_groups else None
+        self.pool.state = self.state_pool
+        self.state_bytes_per_sequence = state_bytes_per_sequence(self.state_groups)
         self.staging_pools = [self.pool]  # pools whose layers follow the requests' fp16 windows (kv/staging.py)
         self.allocator = BlockAllocator(num_blocks)
         self.block_bytes = bytes_per_block(spec, fmt, block_size, self.groups)
@@ -89,6 +96,10 @@ class KVCacheManager(StagingWindows):
             state.policy_state = new()
         return state.policy_state
 
+    def state_slot(self, req) -> int | None:
+        """req's slot in the recurrent state pool (None without recurrent layers or before allocate_slots)."""
+        return self.requests.get(req.request_id, _EMPTY).state_slot
+
     def slots(self, req, start: int, end: int, group: int = 0) -> list[int]:
         bs, table = self.block_size, self.block_table(req, group)
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -128,7 +139,9 @@ class KVCacheManager(StagingWindows):
 
     def _peek(self, tokens, salt) -> int:
         """Tokens cached in every group: all full-attention blocks, and each sliding group's blocks of the
-        last window before the hit point."""
+        last window before the hit point. A recurrent model's KV alone cannot resume a sequence: none."""
+        if self.state_pool is not None:
+            return 0
         num = min(tree.peek_prefix(tokens, salt) for tree in self.prefix_trees)
         while True:
             usable = min([num] + [t.usable_prefix(tokens[:num], salt) for t in self.prefix_trees
@@ -174,7 +187,12 @@ class KVCacheManager(StagingWindows):
             self._reclaim(need - self.allocator.num_free)
         if need > 0 and not self.allocator.can_allocate(need):
             return False
+        needs_state = self.state_pool is not None and (state is None or state.state_slot is None)
+        if needs_state and self.state_pool.num_free == 0:
+            return False
         state = self._state(req)
+        if needs_state:
+            state.state_slot = self.state_pool.allocate()
         for table, n in zip(state.block_tables, needs):
             if n > 0:
                 table.extend(self.allocator.allocate(n))
@@ -272,6 +290,8 @@ class KVCacheManager(StagingWindows):
                 tree.unlock(node)
         for table in state.block_tables:
             self.allocator.decref([b for b in table if b != NULL_BLOCK])
+        if state.state_slot is not None:
+            self.state_pool.free(state.state_slot)
         self._unstage_all(state)
 
     # -- KV connector: it moves the bytes, the manager keeps the blocks ---------------------------------
@@ -319,6 +339,14 @@ class KVCacheManager(StagingWindows):
         """Drop every cached block nobody is using; returns blocks freed."""
         return self._reclaim(self.allocator.num_blocks)
 
+    def _state_stats(self) -> dict:
+        return {
+            "state_slots_total": self.state_pool.num_slots,
+            "state_slots_used": self.state_pool.num_used,
+            "state_bytes_per_sequence": self.state_bytes_per_sequence,
+            "state_bytes_total": self.state_pool.allocated_bytes(),
+        }
+
     def stats(self) -> dict:
         used = self.allocator.num_used
         trees = self.prefix_trees
@@ -343,5 +371,6 @@ class KVCacheManager(StagingWindows):
             "prefix_reclaimed_blocks": sum(t.reclaimed_blocks for t in trees),
             "prefix_cache_granularity_tokens": self.block_size,
             "prefix_short_prompts": self.prefix_short_prompts,
+            **(self._state_stats() if self.state_pool is not None else {}),
             **(self.connector.stats() if self.connector is not None else {}),
         }

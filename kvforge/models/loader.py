@@ -82,7 +82,16 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from kvforge.models.deepseek import DeepseekForCausalLM
 
         return DeepseekForCausalLM
-    raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, gemma2, gemma3, deepseek_v2, deepseek_v3")
+    if cfg.arch == "granitemoehybrid":
+        from kvforge.models.granite_hybrid import GraniteHybridForCausalLM
+
+        return GraniteHybridForCausalLM
+    if cfg.arch == "mamba2":
+        from kvforge.models.mamba2 import Mamba2ForCausalLM
+
+        return Mamba2ForCausalLM
+    raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, gemma2, gemma3, "
+                         "deepseek_v2, deepseek_v3, granitemoehybrid, mamba2")
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
@@ -102,7 +111,8 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module
             raise ModelLoadError(f"weight {name} has shape {tuple(t.shape)}, the config implies {tuple(want)}")
     model.load_state_dict(weights, strict=False, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = model.get_submodule("backbone.embeddings" if cfg.arch == "mamba2"
+                                                   else "model.embed_tokens").weight
     model.init_buffers()
     return model
 

@@ -1,0 +1,118 @@
+"""ModelConfig for recurrent and hybrid models from a Hugging Face config.json: Mamba2ForCausalLM and
+GraniteMoeHybridForCausalLM (Granite 4.0-H, Bamba's layout: Mamba-2 mixers + attention layers).
+
+Each recurrent layer's state is a StateGroup (kv/groups.py): a Mamba-2 mixer keeps the last d_conv - 1 inputs of
+its causal convolution [d_conv - 1, conv_dim] and its SSM state [heads, head_dim, d_state], fp32.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvforge.errors import ModelLoadError
+from kvforge.kv.groups import StateGroup
+from kvforge.models.config import ModelConfig
+
+RECURRENT_MODEL_TYPES = {"mamba2": "mamba2", "granitemoehybrid": "granitemoehybrid"}
+RECURRENT_CLASSES = {"Mamba2ForCausalLM": "mamba2", "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
+MAMBA_KINDS = ("mamba", "linear_attention")  # a layer type naming a Mamba-2 mixer (older and newer configs)
+ATTENTION_KINDS = ("attention", "full_attention")
+
+
+def recurrent_arch(cfg: dict[str, Any]) -> str | None:
+    arch = RECURRENT_MODEL_TYPES.get(cfg.get("model_type") or "")
+    for cls in cfg.get("architectures") or []:
+        arch = arch or RECURRENT_CLASSES.get(cls)
+    return arch
+
+
+def mamba_state_group(layers: list[int], mamba: dict[str, Any]) -> StateGroup:
+    conv_dim = mamba["intermediate"] + 2 * mamba["n_groups"] * mamba["d_state"]
+    return StateGroup("mamba2", tuple(layers), (("conv", (mamba["d_conv"] - 1, conv_dim)),
+                                                ("ssm", (mamba["n_heads"], mamba["head_dim"], mamba["d_state"]))))
+
+
+def _limit(value) -> tuple[float, float]:
+    """time_step_limit as saved: [lo, hi], where transformers writes infinity as {"__float__": "Infinity"}."""
+    if value is None:
+        return 0.0, float("inf")
+    lo, hi = (float(v["__float__"]) if isinstance(v, dict) else float(v) for v in value)
+    return lo, hi
+
+
+def _need(cfg: dict[str, Any], *keys: str) -> None:
+    missing = [k for k in keys if cfg.get(k) is None]
+    if missing:
+        raise ModelLoadError(f"config.json lacks required keys {missing}")
+
+
+def _eos(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _mamba2(cfg: dict[str, Any]) -> ModelConfig:
+    _need(cfg, "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "state_size")
+    hidden, n = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    mamba = {"n_heads": int(cfg["num_heads"]), "head_dim": int(cfg["head_dim"]), "d_state": int(cfg["state_size"]),
+             "n_groups": int(cfg.get("n_groups", 8)), "d_conv": int(cfg.get("conv_kernel", 4)),
+             "intermediate": int(cfg.get("expand", 2) * hidden), "conv_bias": bool(cfg.get("use_conv_bias", True)),
+             "proj_bias": bool(cfg.get("use_bias", False)), "time_step_limit": _limit(cfg.get("time_step_limit")),
+             "norm_eps": float(cfg.get("layer_norm_epsilon", 1e-5))}
+    return ModelConfig(
+        arch="mamba2", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden, intermediate_size=mamba["intermediate"],
+        num_layers=n, num_heads=1, num_kv_heads=1, head_dim=1, rms_norm_eps=mamba["norm_eps"],
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 8192),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos(cfg.get("eos_token_id")), extra={"mamba": mamba},
+        attention_layers=[], state_groups=[mamba_state_group(list(range(n)), mamba)])
+
+
+def _granite(cfg: dict[str, Any]) -> ModelConfig:
+    _need(cfg, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "mamba_n_heads")
+    hidden, n, heads = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
+    bad = sorted({t for t in types if t not in MAMBA_KINDS + ATTENTION_KINDS})
+    if len(types) != n or bad:
+        raise ModelLoadError(f"config.json layer_types must name one of {MAMBA_KINDS + ATTENTION_KINDS} for each of "
+                             f"the {n} layers; got {len(types)} entries" + (f" including {bad}" if bad else ""))
+    intermediate = int(cfg.get("mamba_expand", 2) * hidden)
+    d_head = cfg.get("mamba_d_head", "auto")
+    d_head = intermediate // int(cfg["mamba_n_heads"]) if d_head in (None, "auto") else int(d_head)
+    mamba = {"n_heads": int(cfg["mamba_n_heads"]), "head_dim": d_head, "d_state": int(cfg.get("mamba_d_state", 256)),
+             "n_groups": int(cfg.get("mamba_n_groups", 1)), "d_conv": int(cfg.get("mamba_d_conv", 4)),
+             "intermediate": intermediate, "conv_bias": bool(cfg.get("mamba_conv_bias", True)),
+             "proj_bias": bool(cfg.get("mamba_proj_bias", False)),
+             "time_step_limit": _limit(cfg.get("time_step_limit")), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6))}
+    rope = cfg.get("position_embedding_type") == "rope"
+    params = cfg.get("rope_parameters") or {}
+    extra = {"mamba": mamba, "rope": rope,
+             "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+             "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+             "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+             "attention_multiplier": float(cfg.get("attention_multiplier", 1.0)),
+             "num_local_experts": int(cfg.get("num_local_experts") or 0),
+             "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+             "shared_intermediate_size": int(cfg.get("shared_intermediate_size", 1024))}
+    return ModelConfig(
+        arch="granitemoehybrid", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size", 0)), num_layers=n, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=hidden // heads,
+        rope_theta=float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)), bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos(cfg.get("eos_token_id")), extra=extra,
+        attention_layers=[i for i, t in enumerate(types) if t in ATTENTION_KINDS],
+        state_groups=[g for g in [mamba_state_group([i for i, t in enumerate(types) if t in MAMBA_KINDS], mamba)]
+                      if g.layers])
+
+
+def recurrent_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    arch = recurrent_arch(cfg)
+    if arch == "mamba2":
+        return _mamba2(cfg)
+    if arch == "granitemoehybrid":
+        return _granite(cfg)
+    raise ModelLoadError(f"not a recurrent architecture: model_type {cfg.get('model_type')!r}")
