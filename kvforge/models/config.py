@@ -83,6 +83,8 @@ class ModelConfig:
 
     @property
     def attention_kind(self) -> str:
+        if self.num_kv_layers == 0:
+            return "none"
         if self.extra.get("kv_lora_rank"):
             return "MLA"
         if self.num_kv_heads == self.num_heads:

@@ -116,3 +116,23 @@ def recurrent_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     if arch == "granitemoehybrid":
         return _granite(cfg)
     raise ModelLoadError(f"not a recurrent architecture: model_type {cfg.get('model_type')!r}")
+
+
+def recurrent_parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of a Mamba-2 or Granite 4.0-H model from its config (for `kvforge memory`'s weight estimate)."""
+    h, m, ex = cfg.hidden_size, cfg.extra["mamba"], cfg.extra
+    conv_dim = m["intermediate"] + 2 * m["n_groups"] * m["d_state"]
+    mixer = (h * (m["intermediate"] + conv_dim + m["n_heads"]) + conv_dim * (m["d_conv"] + 1) + 3 * m["n_heads"]
+             + m["intermediate"] + m["intermediate"] * h)
+    qkv = cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads)
+    attention = h * qkv + cfg.num_heads * cfg.head_dim * h
+    mixers = sum(len(g.layers) for g in cfg.state_groups)
+    attentions = cfg.num_kv_layers
+    total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h + mixers * mixer + attentions * attention
+    if cfg.arch == "granitemoehybrid":
+        experts = ex["num_local_experts"]
+        mlp = 3 * h * ex["shared_intermediate_size"] + experts * (3 * h * cfg.intermediate_size + h)
+        total += cfg.num_layers * (mlp + 2 * h)
+    else:
+        total += cfg.num_layers * h
+    return total
