@@ -12,7 +12,7 @@ from kvforge.models.loader import load_model
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     out = {}
-    for kind in ("granite-hybrid", "mamba2"):
+    for kind in ("granite-hybrid", "mamba2", "lfm2"):
         d = tmp_path_factory.mktemp(kind)
         model = write_tiny_model(kind, d)
         out[kind] = (d, sum(p.numel() for p in model.parameters()))
@@ -40,3 +40,10 @@ def test_pure_mamba2_holds_only_state(dirs):
     assert report.attention_kind == "none" and report.per_token_bytes == 0
     assert report.per_sequence_bytes == report.state_bytes_per_sequence > 0
     assert report.fits.max_batch == (1 << 20) // report.state_bytes_per_sequence
+
+
+def test_short_conv_state_is_its_window(dirs):
+    directory, params = dirs["lfm2"]
+    report = memory_report(str(directory), seq_len=64, kv_dtype="fp32")
+    assert report.parameters == params
+    assert report.recurrent_layers == 3 and report.state_bytes_per_sequence == 3 * 2 * 64 * 4  # L - 1 = 2 rows

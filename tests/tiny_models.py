@@ -37,7 +37,7 @@ def hf_config(kind: str):
     raise ValueError(kind)
 
 
-RECURRENT = ("granite-hybrid", "granite-hybrid-nope", "mamba2")
+RECURRENT = ("granite-hybrid", "granite-hybrid-nope", "mamba2", "lfm2")
 MAMBA_SMALL = {"mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_chunk_size": 16}
 
 
@@ -46,6 +46,11 @@ def _recurrent_config(kind: str):
     none as the released models); pure Mamba-2. Chunk sizes of 16 so transformers' own scan crosses chunks."""
     import transformers as tf
 
+    if kind == "lfm2":  # conv, attention, conv, conv; conv biases on; MLP width as LFM2 derives it (auto-adjusted)
+        return tf.Lfm2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             layer_types=["conv", "full_attention", "conv", "conv"], conv_bias=True,
+                             block_multiple_of=16, initializer_range=0.2, tie_word_embeddings=True)
     if kind == "mamba2":
         return tf.Mamba2Config(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_heads=8, head_dim=16,
                                state_size=16, n_groups=2, expand=2, conv_kernel=4, chunk_size=16, initializer_range=0.2)

@@ -90,8 +90,12 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from kvforge.models.mamba2 import Mamba2ForCausalLM
 
         return Mamba2ForCausalLM
+    if cfg.arch == "lfm2":
+        from kvforge.models.lfm2 import Lfm2ForCausalLM
+
+        return Lfm2ForCausalLM
     raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, gemma2, gemma3, "
-                         "deepseek_v2, deepseek_v3, granitemoehybrid, mamba2")
+                         "deepseek_v2, deepseek_v3, granitemoehybrid, mamba2, lfm2")
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:

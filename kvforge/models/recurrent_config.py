@@ -1,8 +1,10 @@
-"""ModelConfig for recurrent and hybrid models from a Hugging Face config.json: Mamba2ForCausalLM and
-GraniteMoeHybridForCausalLM (Granite 4.0-H, Bamba's layout: Mamba-2 mixers + attention layers).
+"""ModelConfig for recurrent and hybrid models from a Hugging Face config.json: Mamba2ForCausalLM,
+GraniteMoeHybridForCausalLM (Granite 4.0-H, Bamba's layout: Mamba-2 mixers + attention layers) and Lfm2ForCausalLM
+(short convolutions + attention layers).
 
 Each recurrent layer's state is a StateGroup (kv/groups.py): a Mamba-2 mixer keeps the last d_conv - 1 inputs of
-its causal convolution [d_conv - 1, conv_dim] and its SSM state [heads, head_dim, d_state], fp32.
+its causal convolution [d_conv - 1, conv_dim] and its SSM state [heads, head_dim, d_state]; a short conv the last
+L - 1 inputs of its convolution [L - 1, hidden]; fp32.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from kvforge.errors import ModelLoadError
 from kvforge.kv.groups import StateGroup
 from kvforge.models.config import ModelConfig
 
-RECURRENT_MODEL_TYPES = {"mamba2": "mamba2", "granitemoehybrid": "granitemoehybrid"}
-RECURRENT_CLASSES = {"Mamba2ForCausalLM": "mamba2", "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
+RECURRENT_MODEL_TYPES = {"mamba2": "mamba2", "granitemoehybrid": "granitemoehybrid", "lfm2": "lfm2"}
+RECURRENT_CLASSES = {"Mamba2ForCausalLM": "mamba2", "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+                     "Lfm2ForCausalLM": "lfm2"}
 MAMBA_KINDS = ("mamba", "linear_attention")  # a layer type naming a Mamba-2 mixer (older and newer configs)
 ATTENTION_KINDS = ("attention", "full_attention")
 
@@ -109,8 +112,47 @@ def _granite(cfg: dict[str, Any]) -> ModelConfig:
                       if g.layers])
 
 
+def _lfm2_intermediate(cfg: dict[str, Any]) -> int:
+    """The MLP width as transformers derives it (2/3 of intermediate_size, times a multiplier, rounded up)."""
+    size = int(cfg.get("intermediate_size", cfg.get("block_ff_dim", 12288)))
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        multiplier, multiple = cfg.get("block_ffn_dim_multiplier", 1.0), int(cfg.get("block_multiple_of", 256))
+        if multiplier is not None:
+            size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
+    return size
+
+
+def _lfm2(cfg: dict[str, Any]) -> ModelConfig:
+    _need(cfg, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    hidden, n, heads = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    types = cfg.get("layer_types")
+    if types is None:
+        full = cfg.get("full_attn_idxs")
+        types = ["full_attention" if full is None or i in full else "conv" for i in range(n)]
+    if len(types) != n or any(t not in ("conv", "full_attention") for t in types):
+        raise ModelLoadError(f"config.json layer_types must name 'conv' or 'full_attention' for each of the {n} "
+                             f"layers; got {types!r}")
+    kernel = int(cfg.get("conv_L_cache", 3))
+    params = cfg.get("rope_parameters") or {}
+    convs = [i for i, t in enumerate(types) if t == "conv"]
+    return ModelConfig(
+        arch="lfm2", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden, intermediate_size=_lfm2_intermediate(cfg),
+        num_layers=n, num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=hidden // heads, rope_theta=float(cfg.get("rope_theta") or params.get("rope_theta") or 1e6),
+        rms_norm_eps=float(cfg.get("norm_eps", 1e-5)), qk_norm=True,
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 128_000),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=_eos(cfg.get("eos_token_id")),
+        extra={"conv_L_cache": kernel, "conv_bias": bool(cfg.get("conv_bias", False))},
+        attention_layers=[i for i, t in enumerate(types) if t == "full_attention"],
+        state_groups=[StateGroup("short_conv", tuple(convs), (("conv", (kernel - 1, hidden)),))] if convs else [])
+
+
 def recurrent_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     arch = recurrent_arch(cfg)
+    if arch == "lfm2":
+        return _lfm2(cfg)
     if arch == "mamba2":
         return _mamba2(cfg)
     if arch == "granitemoehybrid":
@@ -120,6 +162,8 @@ def recurrent_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 def recurrent_parameter_count(cfg: ModelConfig) -> int:
     """Parameters of a Mamba-2 or Granite 4.0-H model from its config (for `kvforge memory`'s weight estimate)."""
+    if cfg.arch == "lfm2":
+        return _lfm2_parameter_count(cfg)
     h, m, ex = cfg.hidden_size, cfg.extra["mamba"], cfg.extra
     conv_dim = m["intermediate"] + 2 * m["n_groups"] * m["d_state"]
     mixer = (h * (m["intermediate"] + conv_dim + m["n_heads"]) + conv_dim * (m["d_conv"] + 1) + 3 * m["n_heads"]
@@ -136,3 +180,14 @@ def recurrent_parameter_count(cfg: ModelConfig) -> int:
     else:
         total += cfg.num_layers * h
     return total
+
+
+def _lfm2_parameter_count(cfg: ModelConfig) -> int:
+    h, kernel, bias = cfg.hidden_size, cfg.extra["conv_L_cache"], cfg.extra["conv_bias"]
+    conv = h * kernel + 4 * h * h + (h + 4 * h if bias else 0)
+    attention = h * cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * cfg.head_dim * h
+    attention += 2 * cfg.head_dim
+    convs = sum(len(g.layers) for g in cfg.state_groups)
+    per_layer = 3 * h * cfg.intermediate_size + 2 * h
+    total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
+    return total + convs * conv + cfg.num_kv_layers * attention + cfg.num_layers * per_layer
