@@ -15,6 +15,7 @@ from kvforge.kv.memory import (
     bytes_for_sequence,
     bytes_per_block,
     bytes_per_token,
+    checkpoint_budget,
     num_blocks_for_budget,
     sequences_that_fit,
     side_bytes,
@@ -231,11 +232,13 @@ class MemoryReport:
 def what_fits(spec: KVCacheSpec, fmt: KVFormat, block_size: int, memory: int, weights: int, seq_len: int,
               batch: int, groups: list[KVGroup] | None = None, state_bytes: int = 0) -> Fits:
     budget = max(memory - weights, 0)
-    # after side buffers and recurrent states for `batch`; a model without attention has blocks of no bytes (-1)
-    blocks = num_blocks_for_budget(spec, fmt, block_size, budget, batch, groups, state_bytes)
+    # after state checkpoints (prefix caching on), side buffers and recurrent states for `batch`; a model without
+    # attention has blocks of no bytes (-1)
+    usable = budget - checkpoint_budget(budget, state_bytes)
+    blocks = num_blocks_for_budget(spec, fmt, block_size, usable, batch, groups, state_bytes)
     max_len = 10**12 if blocks < 0 else _longest_sequence(blocks // batch, block_size, groups)
     return Fits(memory, weights, budget, max(blocks, 0),
-                sequences_that_fit(spec, fmt, block_size, budget, seq_len, groups, state_bytes), max_len)
+                sequences_that_fit(spec, fmt, block_size, usable, seq_len, groups, state_bytes), max_len)
 
 
 def _longest_sequence(blocks: int, block_size: int, groups: list[KVGroup] | None) -> int:
@@ -315,6 +318,10 @@ def _notes(r: MemoryReport, cfg: ModelConfig) -> list[str]:
         notes.append(f"{r.recurrent_layers} of {cfg.num_layers} layers are recurrent: they keep "
                      f"{r.state_bytes_per_sequence:,} B of state per sequence at any length (fp32); bytes per token "
                      f"count the {cfg.num_kv_layers} attention layers only")
+        if r.fits:
+            share = checkpoint_budget(r.fits.kv_budget_bytes, r.state_bytes_per_sequence)
+            notes.append(f"with prefix caching (the engine's default) {share:,} B (1/8) of the KV budget hold state "
+                         "checkpoints; blocks and max batch count the rest")
     if r.fits and r.fits.max_seq_len > r.max_context:
         notes.append(f"max_seq_len {r.fits.max_seq_len} is more than the model's context of {r.max_context} tokens")
     if r.fits and r.fits.weights_bytes >= r.fits.memory_bytes:

@@ -29,7 +29,8 @@ def test_hybrid_report_counts_attention_kv_and_state(dirs):
     assert report.state_bytes_per_sequence == engine.kv.state_pool.slot_bytes() == engine.state_bytes
     assert report.per_token_bytes == engine.kv.block_bytes / 16 == 2 * 2 * 16 * 4  # one layer, 2 KV heads of 16
     assert report.per_sequence_bytes == 19 * engine.kv.block_bytes + engine.state_bytes  # 300 tokens: 19 blocks
-    assert report.fits.num_blocks == engine.kv.num_blocks  # the same budget after three states
+    assert report.fits.num_blocks == engine.kv.num_blocks  # the same budget after checkpoints and three states
+    assert engine.kv.checkpoints.budget_bytes == 1 << 20
     assert any("recurrent" in n for n in report.notes)
 
 
@@ -39,7 +40,7 @@ def test_pure_mamba2_holds_only_state(dirs):
     assert report.parameters == params
     assert report.attention_kind == "none" and report.per_token_bytes == 0
     assert report.per_sequence_bytes == report.state_bytes_per_sequence > 0
-    assert report.fits.max_batch == (1 << 20) // report.state_bytes_per_sequence
+    assert report.fits.max_batch == ((1 << 20) - (1 << 17)) // report.state_bytes_per_sequence  # 1/8: checkpoints
 
 
 def test_short_conv_state_is_its_window(dirs):

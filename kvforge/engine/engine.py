@@ -21,7 +21,7 @@ from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
 from kvforge.kv.groups import build_groups, state_bytes_per_sequence
 from kvforge.kv.manager import KVCacheManager
-from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
+from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, checkpoint_budget, num_blocks_for_budget
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.keys import ModelKey
@@ -80,7 +80,8 @@ class LLMEngine:
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.kv_spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
-                                 self.max_model_len, prefix, config.max_num_seqs, self.groups, self.state_groups)
+                                 self.max_model_len, prefix, config.max_num_seqs, self.groups, self.state_groups,
+                                 self.checkpoint_bytes, config.state_checkpoint_interval)
         self.preemption_mode = config.resolve_preemption_mode(self.policy.evicts)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    self.preemption_mode)
@@ -130,6 +131,8 @@ class LLMEngine:
         if budget is None:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
         self.kv_budget_bytes = budget
+        self.checkpoint_bytes = self._checkpoint_budget(budget)  # taken out of the KV budget
+        budget -= self.checkpoint_bytes
         draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
         if draft_spec is None:
             num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups,
@@ -150,14 +153,25 @@ class LLMEngine:
             per_block = bytes_per_block(self.kv_spec, self.format, c.block_size, self.groups)
             per_block += bytes_per_block(draft_spec, self.format, c.block_size) if draft_spec else 0
             if self.state_bytes and num_blocks == 0:
-                raise ConfigError(f"a KV budget of {budget} bytes does not hold the recurrent state of max_num_seqs="
-                                  f"{c.max_num_seqs} sequences ({self.state_bytes} bytes each) and one block; raise "
-                                  "kv_cache_memory or lower max_num_seqs")
+                kept = f" (after {self.checkpoint_bytes} for state checkpoints)" if self.checkpoint_bytes else ""
+                raise ConfigError(f"a KV budget of {budget} bytes{kept} does not hold the recurrent state of "
+                                  f"max_num_seqs={c.max_num_seqs} sequences ({self.state_bytes} bytes each) and one "
+                                  "block; raise kv_cache_memory or lower max_num_seqs")
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
                 f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
                 "raise kv_cache_memory or lower max_model_len")
         return num_blocks
+
+    def _checkpoint_budget(self, budget: int) -> int:
+        """Bytes of the KV budget that hold recurrent state checkpoints (prefix caching on a recurrent model)."""
+        c = self.config
+        if not self.state_bytes or not c.enable_prefix_caching or c.kv_layout != "paged":
+            return 0
+        share = checkpoint_budget(budget, self.state_bytes, c.state_checkpoint_memory)
+        if share > budget:
+            raise ConfigError(f"state_checkpoint_memory={share} is more than the KV budget of {budget} bytes")
+        return share
 
     def capped_note(self) -> str:
         """Why max_model_len is below the model's context, when the KV budget capped it; else empty."""
@@ -342,6 +356,7 @@ class LLMEngine:
         for seq, prev in zip(batch.seqs, before):
             if seq.num_computed_tokens // bs > prev // bs and seq.request_id not in uncached:
                 self.kv.cache_full_blocks(seq)
+        self.kv.store_checkpoints(batch.seqs, before)
         if self.runner.evictor:
             self.runner.evictor.after_step(batch.seqs, stats, rejected)
 

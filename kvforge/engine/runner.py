@@ -73,6 +73,7 @@ class ModelRunner:
         slot_tensors = [torch.tensor(s, dtype=torch.long, device=dev) for s in slots]
         views: dict[tuple[int, int | None], AttentionMetadata] = {}
         state_slots = [kv.state_slot(seq) for seq in batch.seqs] if kv.state_pool is not None else None
+        cuts = [kv.checkpoint_cuts(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)] if state_slots else None
         for layer, window in enumerate(self.layer_windows or [None]):  # a model without attention: one view
             g = kv.group_of_layer.get(layer, 0)
             if (g, window) not in views:
@@ -80,7 +81,7 @@ class ModelRunner:
                     slot_mapping=slot_tensors[g], positions=pos, query_lens=list(batch.num_new_tokens),
                     context_lens=ctx_lens[g], block_tables=tables[g], block_size=bs, sliding_window=window,
                     stats=None if groups[g].sliding else stats,  # KV policies see full-attention layers only
-                    state_slots=state_slots)
+                    state_slots=state_slots, state_cuts=cuts if cuts and any(cuts) else None)
         meta = next((v for v in views.values() if v.stats is stats), next(iter(views.values())))
         if len(views) > 1:
             meta.layer_views = [views[kv.group_of_layer[i], w] for i, w in enumerate(self.layer_windows)]
@@ -91,6 +92,8 @@ class ModelRunner:
         """Push the batch's new tokens through the model (their K/V enter the cache): hidden states
         [T, hidden], the rows of sequences that reached their last token, and the attention a KV policy asked for."""
         input_ids, meta, sample_rows = self.build_metadata(batch)
+        if self.kv.state_pool is not None:
+            self.kv.state_pool.take_captured()  # a failed step's copies are not this step's
         hidden = self.model(input_ids, meta, self.kv.pool)
         if self.speculator:
             self.speculator.observe(input_ids, meta)

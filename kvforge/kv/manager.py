@@ -14,36 +14,34 @@ import torch
 
 from kvforge.kv.blocks import BlockAllocator
 from kvforge.kv.connector import KVConnector
-from kvforge.kv.groups import NULL_BLOCK, KVGroup, StateGroup, state_bytes_per_sequence
+from kvforge.kv.groups import NULL_BLOCK, KVGroup, StateGroup
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block
 from kvforge.kv.pool import KVPool
 from kvforge.kv.prefix import PrefixTree
+from kvforge.kv.recurrent_states import RecurrentStates
 from kvforge.kv.request_kv import RequestKV
 from kvforge.kv.sliding_prefix import SlidingPrefixTree
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.kv.staging import StagingWindows
-from kvforge.kv.state_pool import StatePool
 from kvforge.kv.transfers import ConnectorTransfers
 
 _EMPTY = RequestKV()
 
 
-class KVCacheManager(StagingWindows):
+class KVCacheManager(StagingWindows, RecurrentStates):
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
                  max_num_seqs: int = 1, groups: list[KVGroup] | None = None,
-                 state_groups: list[StateGroup] | None = None):
+                 state_groups: list[StateGroup] | None = None, state_checkpoint_memory: int = 0,
+                 state_checkpoint_interval: int = 1):
         self.spec, self.format, self.block_size, self.layout = spec, fmt, block_size, layout
         self.max_model_len = max_model_len
         self.groups = groups or [KVGroup(tuple(range(spec.num_layers)), None)]
         self.group_of_layer = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
         self.pool = KVPool(spec, fmt, num_blocks, block_size, device, max_num_seqs, self.groups)
-        # recurrent layers: one state slot per sequence that may run, beside the blocks (models read pool.state)
-        self.state_groups = list(state_groups or [])
-        self.state_pool = StatePool(self.state_groups, max_num_seqs, device) if self.state_groups else None
-        self.pool.state = self.state_pool
-        self.state_bytes_per_sequence = state_bytes_per_sequence(self.state_groups)
+        self._init_states(state_groups or [], max_num_seqs, device, enable_prefix_caching and layout == "paged",
+                          state_checkpoint_memory, state_checkpoint_interval)
         self.staging_pools = [self.pool]  # pools whose layers follow the requests' fp16 windows (kv/staging.py)
         self.allocator = BlockAllocator(num_blocks)
         self.block_bytes = bytes_per_block(spec, fmt, block_size, self.groups)
@@ -96,10 +94,6 @@ class KVCacheManager(StagingWindows):
             state.policy_state = new()
         return state.policy_state
 
-    def state_slot(self, req) -> int | None:
-        """req's slot in the recurrent state pool (None without recurrent layers or before allocate_slots)."""
-        return self.requests.get(req.request_id, _EMPTY).state_slot
-
     def slots(self, req, start: int, end: int, group: int = 0) -> list[int]:
         bs, table = self.block_size, self.block_table(req, group)
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -123,6 +117,8 @@ class KVCacheManager(StagingWindows):
                 return held.num_matched
             self.free(req, cache=False)
         num = self._peek(tokens, req.cache_salt)
+        if num and self.state_pool is not None:
+            num = self._resume_state(req, tokens, num, count=held is None)
         if num:
             state = self._state(req)
             matches = [tree.match_prefix(tokens[:num], salt=req.cache_salt) for tree in self.prefix_trees]
@@ -139,10 +135,10 @@ class KVCacheManager(StagingWindows):
 
     def _peek(self, tokens, salt) -> int:
         """Tokens cached in every group: all full-attention blocks, and each sliding group's blocks of the
-        last window before the hit point. A recurrent model's KV alone cannot resume a sequence: none."""
-        if self.state_pool is not None:
-            return 0
+        last window before the hit point; a recurrent model's, only as far as its deepest state checkpoint."""
         num = min(tree.peek_prefix(tokens, salt) for tree in self.prefix_trees)
+        if self.state_pool is not None:
+            return self._deepest_checkpoint(tokens, salt, num)
         while True:
             usable = min([num] + [t.usable_prefix(tokens[:num], salt) for t in self.prefix_trees
                                   if isinstance(t, SlidingPrefixTree)])
@@ -336,16 +332,10 @@ class KVCacheManager(StagingWindows):
             self.connector.close(self.prefix_tree, timeout)
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached block nobody is using; returns blocks freed."""
+        """Drop every cached block nobody is using (and every state checkpoint); returns blocks freed."""
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
         return self._reclaim(self.allocator.num_blocks)
-
-    def _state_stats(self) -> dict:
-        return {
-            "state_slots_total": self.state_pool.num_slots,
-            "state_slots_used": self.state_pool.num_used,
-            "state_bytes_per_sequence": self.state_bytes_per_sequence,
-            "state_bytes_total": self.state_pool.allocated_bytes(),
-        }
 
     def stats(self) -> dict:
         used = self.allocator.num_used

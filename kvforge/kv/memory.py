@@ -81,3 +81,14 @@ def sequences_that_fit(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget
     """How many sequences of seq_len tokens a budget holds, side buffers and recurrent states included (they grow
     linearly in sequences)."""
     return int(budget_bytes // budget_for(spec, fmt, block_size, seq_len, 1, groups=groups, state_bytes=state_bytes))
+
+
+CHECKPOINT_SHARE = 8  # a recurrent model with prefix caching keeps state checkpoints in 1/8 of its KV budget
+
+
+def checkpoint_budget(budget_bytes: int, state_bytes: int, given: int | None = None) -> int:
+    """Bytes of a KV budget that hold recurrent state checkpoints (kv/state_checkpoints.py): `given`, else
+    1/CHECKPOINT_SHARE of it; none without recurrent layers."""
+    if not state_bytes:
+        return 0
+    return budget_bytes // CHECKPOINT_SHARE if given is None else given

@@ -23,6 +23,8 @@ class StatePool:
                 self.layers[layer] = {name: torch.zeros(num_slots, *shape, dtype=torch.float32, device=device)
                                       for name, shape in group.shapes}
         self._free: deque[int] = deque(range(num_slots))
+        # this step's checkpoint copies: (sequence index in the step, tokens into its chunk) -> layer -> name -> tensor
+        self.captured: dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]] = {}
 
     @property
     def num_free(self) -> int:
@@ -49,6 +51,21 @@ class StatePool:
         for tensors in self.layers.values():
             for t in tensors.values():
                 t[slot].zero_()
+
+    def capture(self, seq_index: int, cut: int, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        """A recurrent layer's state copy after `cut` tokens of the step's sequence `seq_index` (a checkpoint)."""
+        self.captured.setdefault((seq_index, cut), {})[layer] = tensors
+
+    def take_captured(self) -> dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]]:
+        """The copies made since the last call (only whole ones: every recurrent layer's)."""
+        captured, self.captured = self.captured, {}
+        return {k: v for k, v in captured.items() if len(v) == len(self.layers)}
+
+    def restore_layers(self, slot: int, checkpoint: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Make `slot` hold a checkpoint made of captures."""
+        for layer, tensors in checkpoint.items():
+            for name, t in tensors.items():
+                self.layers[layer][name][slot].copy_(t)
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         """Model layer `layer`'s state tensors by name, each [num_slots, *shape]."""

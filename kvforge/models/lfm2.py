@@ -15,6 +15,7 @@ from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
 from kvforge.models.layers import RMSNorm, RotaryEmbedding
+from kvforge.models.mamba2_mixer import causal_conv
 from kvforge.ops.layers import rope
 
 
@@ -52,10 +53,12 @@ class ShortConv(nn.Module):
         windows = kv.state.layer(self.layer_idx)["conv"]
         b, c, x = self.in_proj(h).chunk(3, dim=-1)
         bx, out = b * x, torch.empty_like(x)
-        for start, n, slot in zip(meta.query_start_loc, meta.query_lens, meta.state_slots):
-            full = torch.cat([windows[slot], bx[start:start + n]])  # [L - 1 + n, hidden]
-            out[start:start + n] = F.conv1d(full.t()[None], self.conv.weight, self.conv.bias, groups=full.shape[1])[0].t()
-            windows[slot].copy_(full[full.shape[0] - windows.shape[1]:])
+        for i, (start, n, slot) in enumerate(zip(meta.query_start_loc, meta.query_lens, meta.state_slots)):
+            cuts = meta.state_cuts[i] if meta.state_cuts else []
+            out[start:start + n], saved = causal_conv(bx[start:start + n], windows[slot], self.conv.weight,
+                                                      self.conv.bias, cuts)
+            for cut in cuts:
+                kv.state.capture(i, cut, self.layer_idx, {"conv": saved[cut]})
         return self.out_proj(c * out)
 
 

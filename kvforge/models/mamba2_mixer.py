@@ -4,7 +4,8 @@ Per sequence of a step: the causal depthwise convolution reads the last d_conv -
 state slot (zeros before its first token) and leaves its own last ones there; the selective scan starts from the
 slot's SSM state and leaves the state after the step's last token. So a prompt may arrive in one step, in chunks
 or token by token, and a batch may mix prefills and decodes: the result is the same. The scan runs in segments of
-at most SEGMENT tokens in the SSD's quadratic (attention-like) form, carrying the state between segments.
+at most SEGMENT tokens in the SSD's quadratic (attention-like) form, carrying the state between segments; segments
+also end where the step asks for a checkpoint (meta.state_cuts), whose copies go to the state pool's captures.
 Parameter names follow Hugging Face (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`).
 """
 from __future__ import annotations
@@ -33,13 +34,20 @@ class GatedRMSNorm(nn.Module):
         return self.weight * g.view_as(y)
 
 
+def segments(length: int, cuts: list[int]) -> list[tuple[int, int]]:
+    """[start, end) pieces of at most SEGMENT tokens covering `length`, ending at every cut."""
+    ends = sorted(set(range(SEGMENT, length, SEGMENT)) | {c for c in cuts if 0 < c < length} | {length})
+    return list(zip([0] + ends[:-1], ends))
+
+
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-             state: torch.Tensor) -> torch.Tensor:
+             state: torch.Tensor, cuts: list[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """One sequence's scan. x [T, H, P], dt [T, H] (discretized), a [H] (negative), b, c [T, H, N] (per head),
-    state [H, P, N], updated in place to the state after the last token. Returns y [T, H, P] (without D)."""
-    out = []
-    for s in range(0, x.shape[0], SEGMENT):
-        xs, dts, bs, cs = x[s:s + SEGMENT], dt[s:s + SEGMENT], b[s:s + SEGMENT], c[s:s + SEGMENT]
+    state [H, P, N], updated in place to the state after the last token. Returns y [T, H, P] (without D) and a copy
+    of the state after each of `cuts` tokens (checkpoints)."""
+    out, saved = [], {}
+    for s, e in segments(x.shape[0], list(cuts)):
+        xs, dts, bs, cs = x[s:e], dt[s:e], b[s:e], c[s:e]
         length = xs.shape[0]
         cum = torch.cumsum(dts * a, dim=0)  # [L, H] log decay from the segment's start through each token
         diff = cum[:, None, :] - cum[None, :, :]  # [L(t), L(s), H]: decay from token s to token t
@@ -52,16 +60,21 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         to_end = torch.exp(cum[-1][None, :] - cum)  # [L, H]
         state.mul_(torch.exp(cum[-1])[:, None, None]).add_(torch.einsum("sh,shp,shn->hpn", to_end, xdt, bs))
         out.append(y)
-    return torch.cat(out)
+        if e in cuts:
+            saved[e] = state.clone()
+    return torch.cat(out), saved
 
 
-def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One sequence's depthwise causal convolution + SiLU. x [T, C]; window [K - 1, C], the previous inputs,
-    replaced in place by the last K - 1 inputs. Returns [T, C]."""
+def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                cuts: list[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """One sequence's depthwise causal convolution. x [T, C]; window [K - 1, C], the previous inputs, replaced in
+    place by the last K - 1 inputs. Returns [T, C] and a copy of the window after each of `cuts` tokens."""
     full = torch.cat([window, x])  # [K - 1 + T, C]
     out = F.conv1d(full.t()[None], weight, bias, groups=full.shape[1])[0].t()
-    window.copy_(full[full.shape[0] - window.shape[0]:])
-    return F.silu(out)
+    k = window.shape[0]
+    saved = {cut: full[cut:cut + k].clone() for cut in cuts}
+    window.copy_(full[full.shape[0] - k:])
+    return out, saved
 
 
 class Mamba2Mixer(nn.Module):
@@ -90,13 +103,15 @@ class Mamba2Mixer(nn.Module):
         a = -torch.exp(self.A_log.float())
         rep = self.n_heads // self.n_groups
         out = torch.empty(h.shape[0], self.intermediate, dtype=h.dtype, device=h.device)
-        for start, n, slot in zip(meta.query_start_loc, meta.query_lens, meta.state_slots):
-            rows = slice(start, start + n)
-            conv = causal_conv(xbc[rows], states["conv"][slot], self.conv1d.weight, self.conv1d.bias)
-            x, b, c = conv.split([self.intermediate, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
+        for i, (start, n, slot) in enumerate(zip(meta.query_start_loc, meta.query_lens, meta.state_slots)):
+            rows, cuts = slice(start, start + n), meta.state_cuts[i] if meta.state_cuts else []
+            conv, windows = causal_conv(xbc[rows], states["conv"][slot], self.conv1d.weight, self.conv1d.bias, cuts)
+            x, b, c = F.silu(conv).split([self.intermediate, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
             x = x.reshape(n, self.n_heads, self.head_dim)
             b = b.reshape(n, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
             c = c.reshape(n, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
-            y = ssd_scan(x, dt[rows], a, b, c, states["ssm"][slot]) + self.D[:, None] * x
-            out[rows] = y.reshape(n, self.intermediate)
+            y, ssms = ssd_scan(x, dt[rows], a, b, c, states["ssm"][slot], cuts)
+            out[rows] = (y + self.D[:, None] * x).reshape(n, self.intermediate)
+            for cut in cuts:
+                kv.state.capture(i, cut, self.layer_idx, {"conv": windows[cut], "ssm": ssms[cut]})
         return self.out_proj(self.norm(out, gate))

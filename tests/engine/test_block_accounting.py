@@ -130,12 +130,13 @@ def recurrent_loaded(tmp_path_factory):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=ops, prefix_caching=st.booleans(), layout=st.sampled_from(["paged", "contiguous"]))
 def test_random_workloads_never_leak_state_slots(recurrent_loaded, program, prefix_caching, layout):
-    """Preemption (24 blocks of 4 tokens for up to 6 sequences of 64), aborts mid-prefill and finishes give every
-    state slot back."""
+    """Preemption (24 blocks of 4 tokens for up to 6 sequences of 64), aborts mid-prefill, finishes and resumes from
+    state checkpoints (3 of them, evicted LRU) give every state slot back."""
     probe = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=4, max_num_seqs=6), recurrent_loaded)
-    cfg = EngineConfig(kv_cache_memory=6 * probe.state_bytes + 24 * probe.kv.block_bytes, block_size=4,
+    checkpoints = 3 * probe.state_bytes if prefix_caching and layout == "paged" else 0  # room for 3 checkpoints
+    cfg = EngineConfig(kv_cache_memory=checkpoints + 6 * probe.state_bytes + 24 * probe.kv.block_bytes, block_size=4,
                        max_model_len=64, max_num_seqs=6, max_num_batched_tokens=24,
-                       enable_prefix_caching=prefix_caching, kv_layout=layout)
+                       enable_prefix_caching=prefix_caching, kv_layout=layout, state_checkpoint_memory=checkpoints)
     engine = LLMEngine(cfg, recurrent_loaded)
     assert engine.kv.num_blocks == 24 and engine.kv.state_pool.num_slots == 6
     run_program(engine, program)
