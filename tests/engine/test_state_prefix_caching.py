@@ -12,6 +12,7 @@ from kvforge.engine.engine import LLMEngine
 from kvforge.kv.state_checkpoints import checkpoint_key
 from kvforge.models.loader import load_model
 from kvforge.sampling_params import SamplingParams
+from kvforge.server.metrics import ServerMetrics
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BASE = torch.randint(0, 96, (120,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -74,6 +75,9 @@ def test_an_evicted_checkpoint_resumes_from_a_shallower_node(model):
     stats = engine.stats()
     assert stats["prefix_hits_short_of_checkpoint"] == 1 and stats["prefix_tokens_short_of_checkpoint"] >= 32
     assert stats["state_checkpoints_evicted"] == 2
+    metrics = dict(line.rsplit(" ", 1) for line in ServerMetrics().render(stats).splitlines() if line[0] != "#")
+    assert float(metrics["kvforge_prefix_hits_short_of_checkpoint_total"]) == 1
+    assert float(metrics["kvforge_state_checkpoints_evicted_total"]) == 2
 
 
 def test_a_small_checkpoint_budget_keeps_the_newest_and_stays_exact(model):

@@ -62,16 +62,21 @@ def test_batched_chunked_greedy_matches_transformers(kind, tiny):
     assert llm.engine.kv.state_pool.num_used == 0
 
 
-def test_preemption_by_recompute_restores_the_state(tiny):
-    """A budget that holds two long sequences' KV but four state slots: sequences are preempted and recomputed."""
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemption_by_recompute_restores_the_state(tiny, caching):
+    """A budget that holds two long sequences' KV but four state slots: sequences are preempted and recomputed
+    (with prefix caching, resuming from their own state checkpoints)."""
     directory, hf = tiny("granite-hybrid")
     prompts = [torch.randint(0, 96, (60,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
     probe = _engine(directory)
-    budget = 4 * probe.state_bytes + 14 * probe.kv.block_bytes  # four 100-token sequences need 28 blocks
+    checkpoints = 8 * probe.state_bytes if caching else 0
+    budget = checkpoints + 4 * probe.state_bytes + 14 * probe.kv.block_bytes  # four 100-token sequences need 28
     llm = LLM(str(directory), kv_cache_memory=budget, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32,
-              enable_prefix_caching=False)
+              enable_prefix_caching=caching, state_checkpoint_memory=checkpoints)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    assert llm.engine.stats()["preemptions"] > 0
+    stats = llm.engine.stats()
+    assert stats["preemptions"] > 0
+    assert stats.get("state_checkpoints_hit", 0) > 0 if caching else "state_checkpoints_hit" not in stats
     for p, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, p, 40)
 
