@@ -110,10 +110,13 @@ class LLMEngine:
         if not self.state_groups:
             return
         kinds = ", ".join(sorted({g.kind for g in self.state_groups}))
-        for name, value in (("speculative", config.speculative), ("kv_tiers", config.kv_tiers)):
-            if value:
-                raise ConfigError(f"{name} is not supported on a model with recurrent layers ({kinds}) yet: their state "
-                                  f"is not rolled back or stored in tiers; leave {name} unset")
+        if config.kv_tiers:
+            raise ConfigError(f"kv_tiers is not supported on a model with recurrent layers ({kinds}) yet: tiers do not "
+                              "store their states; leave kv_tiers unset")
+        if config.speculative and config.speculative.method != "ngram":
+            raise ConfigError(f"speculative method {config.speculative.method!r} is not supported on a model with "
+                              f"recurrent layers ({kinds}): its drafter would run the target's layers over their state; "
+                              "use 'ngram'")
 
     @property
     def tiers(self):
@@ -348,9 +351,10 @@ class LLMEngine:
         rejected = {rid: r for rid, r in (rejected or {}).items() if r}
         before = [seq.num_computed_tokens for seq in batch.seqs]
         self.scheduler.update_from_output(batch, rejected)
-        for seq in batch.seqs:
+        for i, seq in enumerate(batch.seqs):
             if seq.request_id in rejected:
                 self.kv.rollback(seq)
+                self.kv.rollback_state(seq, i, batch.num_new_tokens[i] - rejected[seq.request_id])
                 self.runner.speculator.rollback(seq, self.kv)
         bs = self.kv.block_size
         for seq, prev in zip(batch.seqs, before):

@@ -73,7 +73,8 @@ class ModelRunner:
         slot_tensors = [torch.tensor(s, dtype=torch.long, device=dev) for s in slots]
         views: dict[tuple[int, int | None], AttentionMetadata] = {}
         state_slots = [kv.state_slot(seq) for seq in batch.seqs] if kv.state_pool is not None else None
-        cuts = [kv.checkpoint_cuts(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)] if state_slots else None
+        cuts = [kv.checkpoint_cuts(seq, n) + (list(range(1, n)) if batch.drafts(seq) else [])  # a state per draft
+                for seq, n in zip(batch.seqs, batch.num_new_tokens)] if state_slots else None  # row: rollback
         for layer, window in enumerate(self.layer_windows or [None]):  # a model without attention: one view
             g = kv.group_of_layer.get(layer, 0)
             if (g, window) not in views:

@@ -66,14 +66,26 @@ class RecurrentStates:
         bounds = self.checkpoints.boundaries(prompt_len, start, start + num_new_tokens, self.block_size)
         return [b - start for b in bounds if checkpoint_key(req.cache_salt, req.token_ids[:b]) not in self.checkpoints]
 
+    def rollback_state(self, req, seq_index: int, kept: int) -> None:
+        """req kept only `kept` of its step's new tokens (drafts rejected): its state goes back to the copy made
+        after them (the runner copies the state after each draft row)."""
+        if self.state_pool is None:
+            return
+        saved = self.state_pool.captured.get((seq_index, kept))
+        if saved is None or len(saved) != len(self.state_pool.layers):
+            raise RuntimeError(f"request {req.request_id!r}: no state copy after {kept} tokens to roll back to")
+        self.state_pool.restore_layers(self.state_slot(req), saved)
+
     def store_checkpoints(self, reqs, starts: list[int]) -> None:
-        """Keep the state copies the step just made (reqs: the step's requests, starts: their tokens computed before
-        it), each under the prefix it follows."""
+        """Keep the state copies the step just made at prompt block boundaries (reqs: the step's requests, starts:
+        their tokens computed before it), each under the prefix it follows; copies after draft rows are dropped."""
+        captured = self.state_pool.take_captured() if self.state_pool is not None else {}
         if self.checkpoints is None:
             return
-        for (i, cut), checkpoint in self.state_pool.take_captured().items():
-            req = reqs[i]
-            self.checkpoints.put(checkpoint_key(req.cache_salt, req.token_ids[:starts[i] + cut]), checkpoint)
+        for (i, cut), checkpoint in captured.items():
+            req, end = reqs[i], starts[i] + cut
+            if end < len(req.prompt_token_ids) and end % self.block_size == 0:
+                self.checkpoints.put(checkpoint_key(req.cache_salt, req.token_ids[:end]), checkpoint)
 
     def _state_stats(self) -> dict:
         return {
