@@ -12,7 +12,7 @@ from kvforge.models.loader import load_model
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     out = {}
-    for kind in ("granite-hybrid", "mamba2", "lfm2"):
+    for kind in ("granite-hybrid", "mamba2", "lfm2", "rwkv"):
         d = tmp_path_factory.mktemp(kind)
         model = write_tiny_model(kind, d)
         out[kind] = (d, sum(p.numel() for p in model.parameters()))
@@ -48,3 +48,10 @@ def test_short_conv_state_is_its_window(dirs):
     report = memory_report(str(directory), seq_len=64, kv_dtype="fp32")
     assert report.parameters == params
     assert report.recurrent_layers == 3 and report.state_bytes_per_sequence == 3 * 2 * 64 * 4  # L - 1 = 2 rows
+
+
+def test_rwkv_state_is_five_vectors_per_layer(dirs):
+    directory, params = dirs["rwkv"]
+    report = memory_report(str(directory), seq_len=64, kv_dtype="fp32")
+    assert report.parameters == params
+    assert report.state_bytes_per_sequence == 4 * 5 * 64 * 4  # 4 layers x (2 shifts + num, den, max) x 64 x fp32

@@ -37,7 +37,7 @@ def hf_config(kind: str):
     raise ValueError(kind)
 
 
-RECURRENT = ("granite-hybrid", "granite-hybrid-nope", "mamba2", "lfm2")
+RECURRENT = ("granite-hybrid", "granite-hybrid-nope", "mamba2", "lfm2", "rwkv")
 MAMBA_SMALL = {"mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_chunk_size": 16}
 
 
@@ -51,6 +51,9 @@ def _recurrent_config(kind: str):
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                              layer_types=["conv", "full_attention", "conv", "conv"], conv_bias=True,
                              block_multiple_of=16, initializer_range=0.2, tie_word_embeddings=True)
+    if kind == "rwkv":  # rescale_every 2: the inference rescaling of 4 layers applies twice
+        return tf.RwkvConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, attention_hidden_size=64,
+                             intermediate_size=128, context_length=512, rescale_every=2)
     if kind == "mamba2":
         return tf.Mamba2Config(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_heads=8, head_dim=16,
                                state_size=16, n_groups=2, expand=2, conv_kernel=4, chunk_size=16, initializer_range=0.2)

@@ -94,8 +94,12 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from kvforge.models.lfm2 import Lfm2ForCausalLM
 
         return Lfm2ForCausalLM
+    if cfg.arch == "rwkv":
+        from kvforge.models.rwkv import RwkvForCausalLM
+
+        return RwkvForCausalLM
     raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, gemma2, gemma3, "
-                         "deepseek_v2, deepseek_v3, granitemoehybrid, mamba2, lfm2")
+                         "deepseek_v2, deepseek_v3, granitemoehybrid, mamba2, lfm2, rwkv")
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
@@ -115,8 +119,8 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module
             raise ModelLoadError(f"weight {name} has shape {tuple(t.shape)}, the config implies {tuple(want)}")
     model.load_state_dict(weights, strict=False, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.get_submodule("backbone.embeddings" if cfg.arch == "mamba2"
-                                                   else "model.embed_tokens").weight
+        embed = {"mamba2": "backbone.embeddings", "rwkv": "rwkv.embeddings"}.get(cfg.arch, "model.embed_tokens")
+        model.get_submodule("head" if cfg.arch == "rwkv" else "lm_head").weight = model.get_submodule(embed).weight
     model.init_buffers()
     return model
 

@@ -14,9 +14,9 @@ from kvforge.errors import ModelLoadError
 from kvforge.kv.groups import StateGroup
 from kvforge.models.config import ModelConfig
 
-RECURRENT_MODEL_TYPES = {"mamba2": "mamba2", "granitemoehybrid": "granitemoehybrid", "lfm2": "lfm2"}
+RECURRENT_MODEL_TYPES = {"mamba2": "mamba2", "granitemoehybrid": "granitemoehybrid", "lfm2": "lfm2", "rwkv": "rwkv"}
 RECURRENT_CLASSES = {"Mamba2ForCausalLM": "mamba2", "GraniteMoeHybridForCausalLM": "granitemoehybrid",
-                     "Lfm2ForCausalLM": "lfm2"}
+                     "Lfm2ForCausalLM": "lfm2", "RwkvForCausalLM": "rwkv"}
 MAMBA_KINDS = ("mamba", "linear_attention")  # a layer type naming a Mamba-2 mixer (older and newer configs)
 ATTENTION_KINDS = ("attention", "full_attention")
 
@@ -149,8 +149,26 @@ def _lfm2(cfg: dict[str, Any]) -> ModelConfig:
         state_groups=[StateGroup("short_conv", tuple(convs), (("conv", (kernel - 1, hidden)),))] if convs else [])
 
 
+def _rwkv(cfg: dict[str, Any]) -> ModelConfig:
+    _need(cfg, "vocab_size", "hidden_size", "num_hidden_layers")
+    hidden, n = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    att = int(cfg.get("attention_hidden_size") or hidden)
+    shapes = (("att_shift", (hidden,)), ("num", (att,)), ("den", (att,)), ("max", (att,)), ("ffn_shift", (hidden,)))
+    return ModelConfig(
+        arch="rwkv", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden), num_layers=n, num_heads=1, num_kv_heads=1,
+        head_dim=1, rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        max_position_embeddings=int(cfg.get("context_length") or 1024),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos(cfg.get("eos_token_id")),
+        extra={"attention_hidden_size": att, "rescale_every": int(cfg.get("rescale_every", 6) or 0)},
+        attention_layers=[], state_groups=[StateGroup("rwkv", tuple(range(n)), shapes)])
+
+
 def recurrent_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     arch = recurrent_arch(cfg)
+    if arch == "rwkv":
+        return _rwkv(cfg)
     if arch == "lfm2":
         return _lfm2(cfg)
     if arch == "mamba2":
@@ -164,6 +182,10 @@ def recurrent_parameter_count(cfg: ModelConfig) -> int:
     """Parameters of a Mamba-2 or Granite 4.0-H model from its config (for `kvforge memory`'s weight estimate)."""
     if cfg.arch == "lfm2":
         return _lfm2_parameter_count(cfg)
+    if cfg.arch == "rwkv":
+        h, a, i = cfg.hidden_size, cfg.extra["attention_hidden_size"], cfg.intermediate_size
+        per_layer = 2 * a + 3 * h + 3 * h * a + a * h + 2 * h + h * i + h * h + i * h + 4 * h
+        return cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + cfg.num_layers * per_layer + 4 * h
     h, m, ex = cfg.hidden_size, cfg.extra["mamba"], cfg.extra
     conv_dim = m["intermediate"] + 2 * m["n_groups"] * m["d_state"]
     mixer = (h * (m["intermediate"] + conv_dim + m["n_heads"]) + conv_dim * (m["d_conv"] + 1) + 3 * m["n_heads"]

@@ -13,7 +13,7 @@ from kvforge.engine.scoring import position_logits
 from kvforge.errors import ConfigError
 from kvforge.models.loader import load_model
 
-KINDS = ["granite-hybrid", "granite-hybrid-nope", "mamba2", "lfm2"]
+KINDS = ["granite-hybrid", "granite-hybrid-nope", "mamba2", "lfm2", "rwkv"]
 TOKENS = torch.randint(0, 96, (150,), generator=torch.Generator().manual_seed(1)).tolist()
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 BUDGET = 4 << 20
@@ -50,7 +50,7 @@ def test_logits_match_transformers_in_any_chunking(kind, tiny):
         assert engine.kv.state_pool.num_used == 0
 
 
-@pytest.mark.parametrize("kind", ["granite-hybrid", "mamba2", "lfm2"])
+@pytest.mark.parametrize("kind", ["granite-hybrid", "mamba2", "lfm2", "rwkv"])
 def test_batched_chunked_greedy_matches_transformers(kind, tiny):
     """Prompts of several lengths run together, prefills cut into chunks of 16 tokens of a shared step budget."""
     directory, hf = tiny(kind)
