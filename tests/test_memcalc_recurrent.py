@@ -12,7 +12,7 @@ from kvforge.models.loader import load_model
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     out = {}
-    for kind in ("granite-hybrid", "mamba2", "lfm2", "rwkv"):
+    for kind in ("granite-hybrid", "mamba2", "lfm2", "rwkv", "qwen3-next"):
         d = tmp_path_factory.mktemp(kind)
         model = write_tiny_model(kind, d)
         out[kind] = (d, sum(p.numel() for p in model.parameters()))
@@ -55,3 +55,11 @@ def test_rwkv_state_is_five_vectors_per_layer(dirs):
     report = memory_report(str(directory), seq_len=64, kv_dtype="fp32")
     assert report.parameters == params
     assert report.state_bytes_per_sequence == 4 * 5 * 64 * 4  # 4 layers x (2 shifts + num, den, max) x 64 x fp32
+
+
+def test_gated_delta_net_state_and_parameters(dirs):
+    directory, params = dirs["qwen3-next"]
+    report = memory_report(str(directory), seq_len=64, kv_dtype="fp32")
+    assert report.parameters == params
+    conv, delta = 3 * (2 * 2 * 16 + 4 * 8), 4 * 16 * 8  # [K - 1, q + k + v] and [value heads, key dim, value dim]
+    assert report.recurrent_layers == 3 and report.state_bytes_per_sequence == 3 * 4 * (conv + delta)

@@ -37,7 +37,7 @@ def hf_config(kind: str):
     raise ValueError(kind)
 
 
-RECURRENT = ("granite-hybrid", "granite-hybrid-nope", "mamba2", "lfm2", "rwkv")
+RECURRENT = ("granite-hybrid", "granite-hybrid-nope", "mamba2", "lfm2", "rwkv", "qwen3-next")
 MAMBA_SMALL = {"mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_chunk_size": 16}
 
 
@@ -51,6 +51,14 @@ def _recurrent_config(kind: str):
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                              layer_types=["conv", "full_attention", "conv", "conv"], conv_bias=True,
                              block_multiple_of=16, initializer_range=0.2, tie_word_embeddings=True)
+    if kind == "qwen3-next":  # 4 value heads over 2 key heads, partial RoPE, MoE on layers 2 and 4, dense MLP on 1 and 3
+        return tf.Qwen3NextConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            decoder_sparse_step=2, partial_rotary_factor=0.25, initializer_range=0.2,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
     if kind == "rwkv":  # rescale_every 2: the inference rescaling of 4 layers applies twice
         return tf.RwkvConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, attention_hidden_size=64,
                              intermediate_size=128, context_length=512, rescale_every=2)

@@ -98,8 +98,12 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from kvforge.models.rwkv import RwkvForCausalLM
 
         return RwkvForCausalLM
+    if cfg.arch == "qwen3_next":
+        from kvforge.models.qwen3_next import Qwen3NextForCausalLM
+
+        return Qwen3NextForCausalLM
     raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, gemma2, gemma3, "
-                         "deepseek_v2, deepseek_v3, granitemoehybrid, mamba2, lfm2, rwkv")
+                         "deepseek_v2, deepseek_v3, granitemoehybrid, mamba2, lfm2, rwkv, qwen3_next")
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:

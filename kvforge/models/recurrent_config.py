@@ -14,9 +14,10 @@ from kvforge.errors import ModelLoadError
 from kvforge.kv.groups import StateGroup
 from kvforge.models.config import ModelConfig
 
-RECURRENT_MODEL_TYPES = {"mamba2": "mamba2", "granitemoehybrid": "granitemoehybrid", "lfm2": "lfm2", "rwkv": "rwkv"}
+RECURRENT_MODEL_TYPES = {"mamba2": "mamba2", "granitemoehybrid": "granitemoehybrid", "lfm2": "lfm2", "rwkv": "rwkv",
+                         "qwen3_next": "qwen3_next"}
 RECURRENT_CLASSES = {"Mamba2ForCausalLM": "mamba2", "GraniteMoeHybridForCausalLM": "granitemoehybrid",
-                     "Lfm2ForCausalLM": "lfm2", "RwkvForCausalLM": "rwkv"}
+                     "Lfm2ForCausalLM": "lfm2", "RwkvForCausalLM": "rwkv", "Qwen3NextForCausalLM": "qwen3_next"}
 MAMBA_KINDS = ("mamba", "linear_attention")  # a layer type naming a Mamba-2 mixer (older and newer configs)
 ATTENTION_KINDS = ("attention", "full_attention")
 
@@ -165,8 +166,47 @@ def _rwkv(cfg: dict[str, Any]) -> ModelConfig:
         attention_layers=[], state_groups=[StateGroup("rwkv", tuple(range(n)), shapes)])
 
 
+QWEN3_NEXT_KEYS = {"linear_num_value_heads": 32, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
+                   "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512,
+                   "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                   "decoder_sparse_step": 1, "norm_topk_prob": True}
+
+
+def _qwen3_next(cfg: dict[str, Any]) -> ModelConfig:
+    _need(cfg, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    hidden, n, heads = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n or any(t not in ("linear_attention", "full_attention") for t in types):
+        raise ModelLoadError(f"config.json layer_types must name 'linear_attention' or 'full_attention' for each of "
+                             f"the {n} layers; got {types!r}")
+    params = cfg.get("rope_parameters") or {}
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    partial = float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25)
+    extra: dict[str, Any] = {k: cfg.get(k, default) for k, default in QWEN3_NEXT_KEYS.items()}
+    extra.update(rotary_dim=int(head_dim * partial), mlp_only_layers=list(cfg.get("mlp_only_layers") or []))
+    deltas = [i for i, t in enumerate(types) if t == "linear_attention"]
+    conv_dim = 2 * extra["linear_num_key_heads"] * extra["linear_key_head_dim"] + (
+        extra["linear_num_value_heads"] * extra["linear_value_head_dim"])
+    shapes = (("conv", (extra["linear_conv_kernel_dim"] - 1, conv_dim)),
+              ("delta", (extra["linear_num_value_heads"], extra["linear_key_head_dim"], extra["linear_value_head_dim"])))
+    return ModelConfig(
+        arch="qwen3_next", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size") or 5120), num_layers=n, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+        rope_theta=float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), qk_norm=True,
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)), bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos(cfg.get("eos_token_id")), extra=extra,
+        attention_layers=[i for i, t in enumerate(types) if t == "full_attention"],
+        state_groups=[StateGroup("gated_delta", tuple(deltas), shapes)] if deltas else [])
+
+
 def recurrent_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     arch = recurrent_arch(cfg)
+    if arch == "qwen3_next":
+        return _qwen3_next(cfg)
     if arch == "rwkv":
         return _rwkv(cfg)
     if arch == "lfm2":
@@ -182,6 +222,8 @@ def recurrent_parameter_count(cfg: ModelConfig) -> int:
     """Parameters of a Mamba-2 or Granite 4.0-H model from its config (for `kvforge memory`'s weight estimate)."""
     if cfg.arch == "lfm2":
         return _lfm2_parameter_count(cfg)
+    if cfg.arch == "qwen3_next":
+        return _qwen3_next_parameter_count(cfg)
     if cfg.arch == "rwkv":
         h, a, i = cfg.hidden_size, cfg.extra["attention_hidden_size"], cfg.intermediate_size
         per_layer = 2 * a + 3 * h + 3 * h * a + a * h + 2 * h + h * i + h * h + i * h + 4 * h
@@ -213,3 +255,20 @@ def _lfm2_parameter_count(cfg: ModelConfig) -> int:
     per_layer = 3 * h * cfg.intermediate_size + 2 * h
     total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
     return total + convs * conv + cfg.num_kv_layers * attention + cfg.num_layers * per_layer
+
+
+def _qwen3_next_parameter_count(cfg: ModelConfig) -> int:
+    h, x, hd = cfg.hidden_size, cfg.extra, cfg.head_dim
+    attention = h * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * hd * h + 2 * hd
+    kd, vd = x["linear_num_key_heads"] * x["linear_key_head_dim"], x["linear_num_value_heads"] * x["linear_value_head_dim"]
+    nv = x["linear_num_value_heads"]
+    delta = (h * (2 * kd + 2 * vd) + h * 2 * nv + (2 * kd + vd) * x["linear_conv_kernel_dim"] + 2 * nv
+             + x["linear_value_head_dim"] + vd * h)
+    moe = (x["num_experts"] * (h + 3 * h * x["moe_intermediate_size"]) + 3 * h * x["shared_expert_intermediate_size"]
+           + h)
+    total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
+    for i in range(cfg.num_layers):
+        sparse = i not in x["mlp_only_layers"] and x["num_experts"] > 0 and (i + 1) % x["decoder_sparse_step"] == 0
+        total += (attention if i in cfg.attention_layers else delta) + 2 * h
+        total += moe if sparse else 3 * h * cfg.intermediate_size
+    return total

@@ -19,7 +19,7 @@ BASE = torch.randint(0, 96, (120,), generator=torch.Generator().manual_seed(7)).
 OTHER = torch.randint(0, 96, (60,), generator=torch.Generator().manual_seed(8)).tolist()
 
 
-@pytest.fixture(scope="module", params=["granite-hybrid", "lfm2", "rwkv"])
+@pytest.fixture(scope="module", params=["granite-hybrid", "lfm2", "rwkv", "qwen3-next"])
 def model(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     hf = write_tiny_model(request.param, d)

@@ -15,7 +15,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, 
         "adaptive": False}
 
 
-@pytest.fixture(scope="module", params=["granite-hybrid", "lfm2", "rwkv"])
+@pytest.fixture(scope="module", params=["granite-hybrid", "lfm2", "rwkv", "qwen3-next"])
 def loaded(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     write_tiny_model(request.param, d)
