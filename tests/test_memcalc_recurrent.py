@@ -3,6 +3,7 @@ constant state bytes per sequence, and what fits, by the formula the engine size
 import pytest
 from tiny_models import write_tiny_model
 
+from kvforge.cli.memory import format_report
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.memcalc import memory_report
@@ -32,6 +33,9 @@ def test_hybrid_report_counts_attention_kv_and_state(dirs):
     assert report.fits.num_blocks == engine.kv.num_blocks  # the same budget after checkpoints and three states
     assert engine.kv.checkpoints.budget_bytes == 1 << 20
     assert any("recurrent" in n for n in report.notes)
+    text = format_report(report)  # what `kvforge memory DIR` prints
+    assert "bytes per token             256 B" in text
+    assert f"of which state        30.75 KiB  ({engine.state_bytes:,} B)  (3 recurrent layers, any length)" in text
 
 
 def test_pure_mamba2_holds_only_state(dirs):
