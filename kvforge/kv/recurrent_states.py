@@ -59,11 +59,12 @@ class RecurrentStates:
 
     def checkpoint_cuts(self, req, num_new_tokens: int) -> list[int]:
         """After how many of req's next num_new_tokens its recurrent state should be copied: the block boundaries
-        of its prompt that have no checkpoint yet."""
+        (`StateCheckpoints.boundaries`) among its known tokens that have no checkpoint yet (drafts excluded)."""
         if self.checkpoints is None:
             return []
         start, prompt_len = req.num_computed_tokens, len(req.prompt_token_ids)
-        bounds = self.checkpoints.boundaries(prompt_len, start, start + num_new_tokens, self.block_size)
+        end = min(start + num_new_tokens, req.num_tokens)
+        bounds = self.checkpoints.boundaries(prompt_len, start, end, self.block_size)
         return [b - start for b in bounds if checkpoint_key(req.cache_salt, req.token_ids[:b]) not in self.checkpoints]
 
     def rollback_state(self, req, seq_index: int, kept: int) -> None:
@@ -77,14 +78,15 @@ class RecurrentStates:
         self.state_pool.restore_layers(self.state_slot(req), saved)
 
     def store_checkpoints(self, reqs, starts: list[int]) -> None:
-        """Keep the state copies the step just made at prompt block boundaries (reqs: the step's requests, starts:
-        their tokens computed before it), each under the prefix it follows; copies after draft rows are dropped."""
+        """Keep the state copies the step just made at block boundaries of computed tokens (reqs: the step's
+        requests, after update_from_output; starts: their tokens computed before the step), each under the prefix
+        it follows; copies after draft rows that were rejected, or not at a boundary, are dropped."""
         captured = self.state_pool.take_captured() if self.state_pool is not None else {}
         if self.checkpoints is None:
             return
         for (i, cut), checkpoint in captured.items():
             req, end = reqs[i], starts[i] + cut
-            if end < len(req.prompt_token_ids) and end % self.block_size == 0:
+            if end <= req.num_computed_tokens and end % self.block_size == 0:
                 self.checkpoints.put(checkpoint_key(req.cache_salt, req.token_ids[:end]), checkpoint)
 
     def _state_stats(self) -> dict:

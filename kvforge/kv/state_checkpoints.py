@@ -1,8 +1,8 @@
 """StateCheckpoints: recurrent states at block boundaries, so a prefix-cache hit can resume a recurrent model.
 
 KV blocks alone cannot resume a Mamba-2 or short-conv layer: it needs its state after exactly the matched tokens.
-During prefill the layers copy their state at chosen block boundaries (every `interval`-th one, and the prompt's
-last whole block, so the same prompt or one extending it hits); each copy is kept here under the prefix it follows
+During prefill and decode the layers copy their state at chosen block boundaries (every `interval`-th one, and the
+prompt's last whole block, so the same prompt or one extending it hits); each copy is kept here under the prefix it follows
 (salt + tokens, the path of the prefix tree's node at that depth, confirmed on the tokens), with a byte budget of
 its own and LRU order apart from the KV blocks (SGLang's MambaRadixCache shape: a node whose checkpoint went keeps
 its KV, a "tombstone"). A request resumes from the deepest node that has both its blocks and a checkpoint.
@@ -43,13 +43,14 @@ class StateCheckpoints:
         return key in self._entries
 
     def boundaries(self, prompt_len: int, start: int, end: int, block_size: int) -> list[int]:
-        """Token counts in (start, end] after which a prompt of prompt_len tokens should leave a checkpoint: every
-        interval-th block boundary, and its last whole block's (always leaving one prompt token after it)."""
+        """Token counts in (start, end] after which a sequence with a prompt of prompt_len tokens should leave a
+        checkpoint: every interval-th block boundary (in its prompt or its output, so the next turn of a chat
+        resumes after the last one), and its prompt's last whole block (leaving one prompt token after it)."""
         if not self.capacity:
             return []
         last = (prompt_len - 1) // block_size * block_size
         step = self.interval * block_size
-        out = [b for b in range((start // step + 1) * step, min(end, last) + 1, step)]
+        out = list(range((start // step + 1) * step, end + 1, step))
         if start < last <= end and last not in out:
             out.append(last)
         return out

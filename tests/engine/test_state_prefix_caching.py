@@ -118,3 +118,15 @@ def _drain(engine) -> dict[str, list[int]]:
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
     return outs
+
+
+def test_the_next_turn_of_a_chat_resumes_after_the_output(model):
+    """A checkpoint taken while decoding (the output crossed block 64) serves the next turn: a hit of 64, not of
+    the first prompt's last whole block (48)."""
+    loaded, hf = model
+    engine = _engine(loaded)
+    first, _ = _run(engine, BASE[:60])
+    turn = BASE[:60] + first + OTHER[:10]
+    tokens, hit = _run(engine, turn)
+    assert hit == 64
+    assert tokens == hf_greedy_recomputed(hf, turn, 8)
