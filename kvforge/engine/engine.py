@@ -169,8 +169,8 @@ class LLMEngine:
     def _checkpoint_budget(self, budget: int) -> int:
         """Bytes of the KV budget that hold recurrent state checkpoints (prefix caching on a recurrent model)."""
         c = self.config
-        if not self.state_bytes or not c.enable_prefix_caching or c.kv_layout != "paged":
-            return 0
+        if not self.state_bytes or not c.enable_prefix_caching or c.kv_layout != "paged" or self.policy.evicts:
+            return 0  # the same conditions as the manager's prefix tree
         share = checkpoint_budget(budget, self.state_bytes, c.state_checkpoint_memory)
         if share > budget:
             raise ConfigError(f"state_checkpoint_memory={share} is more than the KV budget of {budget} bytes")
