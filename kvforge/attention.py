@@ -36,6 +36,8 @@ class AttentionMetadata:
     sliding_window: int | None = None
     stats: AttentionStats | None = None  # attention rows a KV policy asked for, filled by attend
     layer_views: list[AttentionMetadata] | None = None  # per model layer: its KV group's view (None = self for all)
+    state_slots: list[int] | None = None  # per sequence: its recurrent state slot (recurrent layers, kv/state_pool.py)
+    state_cuts: list[list[int]] | None = None  # per sequence: after how many of its new tokens to copy the state
     query_start_loc: list[int] = field(init=False)
     decode_rows: list[int] = field(init=False)  # sequences with one query token
     multi_rows: list[int] = field(init=False)  # sequences with 2..MULTI_QUERY_MAX query tokens

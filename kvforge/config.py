@@ -43,11 +43,22 @@ class EngineConfig:
     kv_tier_write_through: bool | None = None
     kv_tier_fsync: bool = True  # disk tier: fsync each block file before its rename, and the directory after
     weights: str = "fp32"  # "int8": weight-only int8 linear layers (per-output-channel scales), fp32 activations
+    # recurrent models with prefix caching: bytes (or a size) of the KV budget that holds state checkpoints (None:
+    # one eighth of it), and every how many blocks of a prompt one is taken (plus its last whole block)
+    state_checkpoint_memory: int | str | None = None
+    state_checkpoint_interval: int = 1
 
     def __post_init__(self):
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if isinstance(self.state_checkpoint_memory, str):
+            self.state_checkpoint_memory = parse_size(self.state_checkpoint_memory)
         checks = [
+            (self.state_checkpoint_memory is None or (isinstance(self.state_checkpoint_memory, int)
+                                                      and self.state_checkpoint_memory >= 0),
+             f"state_checkpoint_memory must be a number of bytes >= 0 or None, got {self.state_checkpoint_memory!r}"),
+            (isinstance(self.state_checkpoint_interval, int) and self.state_checkpoint_interval >= 1,
+             f"state_checkpoint_interval must be an integer >= 1 (blocks), got {self.state_checkpoint_interval!r}"),
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), f"block_size must be a power of two in 1..256, got {self.block_size!r}"),
             (self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}"),
             (isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}"),

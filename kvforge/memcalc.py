@@ -10,11 +10,12 @@ from typing import Any
 
 from kvforge.errors import ConfigError, KVForgeError, ModelLoadError
 from kvforge.kv.formats import KVFormat, get_format
-from kvforge.kv.groups import KVGroup, build_groups
+from kvforge.kv.groups import KVGroup, build_groups, state_bytes_per_sequence
 from kvforge.kv.memory import (
     bytes_for_sequence,
     bytes_per_block,
     bytes_per_token,
+    checkpoint_budget,
     num_blocks_for_budget,
     sequences_that_fit,
     side_bytes,
@@ -25,6 +26,7 @@ from kvforge.models.decoder_config import decoder_config
 from kvforge.models.gemma_config import GEMMA_ARCHES, gemma_from_gguf
 from kvforge.models.hf_config import is_supported, load_hf_config
 from kvforge.models.packaged import packaged_model_path
+from kvforge.models.recurrent_config import recurrent_parameter_count
 from kvforge.presets import PRESETS, PUBLISHED_DTYPE, get_preset
 from kvforge.units import parse_size  # noqa: F401 - re-exported: callers import it from here
 
@@ -133,6 +135,8 @@ def engine_weight_bytes(cfg: ModelConfig, weights: str = "fp32") -> int | None:
 
 def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of the main model (no MTP head), from the architecture alone."""
+    if cfg.recurrent:
+        return recurrent_parameter_count(cfg)
     h, heads, ex = cfg.hidden_size, cfg.num_heads, cfg.extra
     total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
     if ex.get("kv_lora_rank"):
@@ -167,7 +171,7 @@ def mha_spec(cfg: ModelConfig) -> KVCacheSpec:
     if cfg.extra.get("kv_lora_rank"):
         qk = cfg.extra["qk_nope_head_dim"] + cfg.extra["qk_rope_head_dim"]
         return KVCacheSpec(cfg.num_layers, cfg.num_heads, qk, cfg.extra["v_head_dim"])
-    return KVCacheSpec(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.head_dim)
+    return KVCacheSpec(cfg.num_kv_layers, cfg.num_heads, cfg.head_dim, cfg.head_dim)
 
 
 def _mha_per_token_bytes(cfg: ModelConfig, fmt: KVFormat, block_size: int) -> float:
@@ -216,6 +220,8 @@ class MemoryReport:
     window: int | None = None
     full_attention_per_token_bytes: float = 0.0  # what each further token adds once windows are full
     window_cap_bytes: int = 0  # the most the window layers hold per sequence, at any length
+    recurrent_layers: int = 0  # layers that keep a fixed state per sequence instead of KV (Mamba-2, short conv)
+    state_bytes_per_sequence: int = 0  # their state, whatever the sequence's length (in per_sequence_bytes)
     fits: Fits | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -224,12 +230,15 @@ class MemoryReport:
 
 
 def what_fits(spec: KVCacheSpec, fmt: KVFormat, block_size: int, memory: int, weights: int, seq_len: int,
-              batch: int, groups: list[KVGroup] | None = None) -> Fits:
+              batch: int, groups: list[KVGroup] | None = None, state_bytes: int = 0) -> Fits:
     budget = max(memory - weights, 0)
-    blocks = num_blocks_for_budget(spec, fmt, block_size, budget, batch, groups)  # after side buffers for `batch`
-    max_len = _longest_sequence(blocks // batch, block_size, groups)
-    return Fits(memory, weights, budget, blocks, sequences_that_fit(spec, fmt, block_size, budget, seq_len, groups),
-                max_len)
+    # after state checkpoints (prefix caching on), side buffers and recurrent states for `batch`; a model without
+    # attention has blocks of no bytes (-1)
+    usable = budget - checkpoint_budget(budget, state_bytes)
+    blocks = num_blocks_for_budget(spec, fmt, block_size, usable, batch, groups, state_bytes)
+    max_len = 10**12 if blocks < 0 else _longest_sequence(blocks // batch, block_size, groups)
+    return Fits(memory, weights, budget, max(blocks, 0),
+                sequences_that_fit(spec, fmt, block_size, usable, seq_len, groups, state_bytes), max_len)
 
 
 def _longest_sequence(blocks: int, block_size: int, groups: list[KVGroup] | None) -> int:
@@ -257,8 +266,9 @@ def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch:
     fmt.validate(spec, block_size)
     groups = build_groups(cfg.layer_windows())
     per_token = bytes_per_token(spec, fmt, block_size)
+    state = state_bytes_per_sequence(cfg.state_groups)
     side = side_bytes(spec, fmt, block_size, 1, groups)
-    per_seq = bytes_for_sequence(spec, fmt, seq_len, block_size, groups) + side
+    per_seq = bytes_for_sequence(spec, fmt, seq_len, block_size, groups) + side + state
     mha = _mha_per_token_bytes(cfg, fmt, block_size)
     windowed = [w for w in cfg.layer_windows() if w is not None]
     block_bytes = bytes_per_block(spec, fmt, block_size, groups)
@@ -266,16 +276,17 @@ def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch:
     report = MemoryReport(
         m.name, cfg.arch, cfg.attention_kind, kv_dtype, block_size, seq_len, batch, cfg.max_position_embeddings,
         parameter_count(cfg), spec.elements_per_token, per_token, block_bytes, side, per_seq, per_seq * batch,
-        _whole(_tail_bytes(spec, fmt, block_size, seq_len, groups) * batch), mha, per_token / mha,
+        _whole(_tail_bytes(spec, fmt, block_size, seq_len, groups) * batch), mha, per_token / mha if mha else 0.0,
         spec.num_layers - len(windowed), len(windowed), windowed[0] if windowed else None,
         len(unbounded) * block_bytes / block_size,
         sum(_most_blocks(g, block_size) for g in groups if g.sliding) * block_bytes,
+        sum(len(g.layers) for g in cfg.state_groups), state,
     )
     if memory is not None:
         source = "given (--weights)"
         if weights is None:
             weights, source = default_weights(m, weights_dtype, engine_weights, engine_default)
-        report.fits = what_fits(spec, fmt, block_size, memory, weights, seq_len, batch, groups)
+        report.fits = what_fits(spec, fmt, block_size, memory, weights, seq_len, batch, groups, state)
         report.fits.weights_source = source
     report.notes = _notes(report, cfg)
     return report
@@ -303,6 +314,14 @@ def _notes(r: MemoryReport, cfg: ModelConfig) -> list[str]:
     if r.window_layers:
         notes.append(f"{r.window_layers} of {r.window_layers + r.full_attention_layers} layers keep a {r.window}-token "
                      f"sliding window: they hold at most {r.window_cap_bytes:,} B per sequence")
+    if r.recurrent_layers:
+        notes.append(f"{r.recurrent_layers} of {cfg.num_layers} layers are recurrent: they keep "
+                     f"{r.state_bytes_per_sequence:,} B of state per sequence at any length (fp32); bytes per token "
+                     f"count the {cfg.num_kv_layers} attention layers only")
+        if r.fits:
+            share = checkpoint_budget(r.fits.kv_budget_bytes, r.state_bytes_per_sequence)
+            notes.append(f"with prefix caching (the engine's default) {share:,} B (1/8) of the KV budget hold state "
+                         "checkpoints; blocks and max batch count the rest")
     if r.fits and r.fits.max_seq_len > r.max_context:
         notes.append(f"max_seq_len {r.fits.max_seq_len} is more than the model's context of {r.max_context} tokens")
     if r.fits and r.fits.weights_bytes >= r.fits.memory_bytes:

@@ -32,7 +32,46 @@ def hf_config(kind: str):
         return _deepseek_config(kind)
     if kind.startswith("gemma"):
         return _gemma_config(kind)
+    if kind in RECURRENT:
+        return _recurrent_config(kind)
     raise ValueError(kind)
+
+
+RECURRENT = ("granite-hybrid", "granite-hybrid-nope", "mamba2", "lfm2", "rwkv", "qwen3-next")
+MAMBA_SMALL = {"mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_chunk_size": 16}
+
+
+def _recurrent_config(kind: str):
+    """Granite 4.0-H shaped: Mamba-2 mixers around one attention layer, MoE + shared MLP, muP multipliers (RoPE, or
+    none as the released models); pure Mamba-2. Chunk sizes of 16 so transformers' own scan crosses chunks."""
+    import transformers as tf
+
+    if kind == "lfm2":  # conv, attention, conv, conv; conv biases on; MLP width as LFM2 derives it (auto-adjusted)
+        return tf.Lfm2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             layer_types=["conv", "full_attention", "conv", "conv"], conv_bias=True,
+                             block_multiple_of=16, initializer_range=0.2, tie_word_embeddings=True)
+    if kind == "qwen3-next":  # 4 value heads over 2 key heads, partial RoPE, MoE on layers 2 and 4, dense MLP on 1 and 3
+        return tf.Qwen3NextConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            decoder_sparse_step=2, partial_rotary_factor=0.25, initializer_range=0.2,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+    if kind == "rwkv":  # rescale_every 2: the inference rescaling of 4 layers applies twice
+        return tf.RwkvConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, attention_hidden_size=64,
+                             intermediate_size=128, context_length=512, rescale_every=2)
+    if kind == "mamba2":
+        return tf.Mamba2Config(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_heads=8, head_dim=16,
+                               state_size=16, n_groups=2, expand=2, conv_kernel=4, chunk_size=16, initializer_range=0.2)
+    return tf.GraniteMoeHybridConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, **MAMBA_SMALL,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+        position_embedding_type="rope" if kind == "granite-hybrid" else None, embedding_multiplier=2.0,
+        logits_scaling=1.5, residual_multiplier=0.7, attention_multiplier=0.2)
 
 
 def _gemma_config(kind: str):

@@ -13,11 +13,13 @@ def memory_bench(loaded, num_requests: int = 64, prompt_len=(32, 512), output_le
     sliding-window layers also get the `hybrid` comparison (KV groups vs every layer kept full; `hybrid`
     holds hybrid_bench's keyword arguments)."""
     from kvforge.kv.formats import get_format
+    from kvforge.kv.groups import state_bytes_per_sequence
     from kvforge.kv.memory import bytes_per_token
 
     spec = loaded.config.kv_cache_spec()
-    if budget is None:  # room for four contiguous sequences
+    if budget is None:  # room for four contiguous sequences (and a recurrent model's state slots)
         budget = int(4 * max_model_len * bytes_per_token(spec, get_format("fp32"), 16))
+        budget += max_num_seqs * state_bytes_per_sequence(loaded.config.state_groups)
     workload = random_workload(num_requests, prompt_len, output_len, loaded.config.vocab_size, seed)
     paged = run_layout(loaded, "paged", workload, budget, max_model_len, max_num_seqs, show_progress)
     contiguous = run_layout(loaded, "contiguous", workload, budget, max_model_len, max_num_seqs, show_progress)

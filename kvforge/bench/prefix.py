@@ -39,24 +39,30 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, label: st
 
 
 def shared_prompt_scenario(loaded, caching: bool, num_requests: int, system_len: int, question_len: tuple[int, int],
-                           max_tokens: int, budget: int, seed: int, show: bool) -> dict:
+                           max_tokens: int, budget: int, seed: int, show: bool, max_num_seqs: int = 64,
+                           checkpoint_memory: int | None = None) -> dict:
     rng = random.Random(seed)
     vocab = loaded.config.vocab_size
     system = random_tokens(rng, system_len, vocab)
     prompts = [system + random_tokens(rng, rng.randint(*question_len), vocab) for _ in range(num_requests)]
-    engine = LLMEngine(EngineConfig(kv_cache_memory=budget, enable_prefix_caching=caching,
-                                    max_model_len=system_len + question_len[1] + max_tokens + 16), loaded)
-    stats, _ = _run(engine, prompts, max_tokens, f"shared prompt, caching {'on' if caching else 'off'}", show)
+    engine = LLMEngine(EngineConfig(kv_cache_memory=budget, enable_prefix_caching=caching, max_num_seqs=max_num_seqs,
+                                    max_model_len=system_len + question_len[1] + max_tokens + 16,
+                                    state_checkpoint_memory=checkpoint_memory), loaded)
+    stats, outs = _run(engine, prompts, max_tokens, f"shared prompt, caching {'on' if caching else 'off'}", show)
     shareable = system_len // engine.kv.block_size * engine.kv.block_size * (num_requests - 1)
     stats["reuse_rate"] = stats["hit_tokens"] / shareable if shareable else 0.0
+    stats["outputs"] = [out.token_ids for out in outs.values()]
+    kv = engine.kv.stats()
+    stats.update({k: v for k, v in kv.items() if k.startswith(("state_", "prefix_hits_short", "prefix_tokens_short"))})
     return stats
 
 
 def multiturn_scenario(loaded, conversations: int, turns: int, question_len: tuple[int, int], max_tokens: int,
-                       budget: int, seed: int, show: bool) -> dict:
+                       budget: int, seed: int, show: bool, max_num_seqs: int = 64) -> dict:
     rng = random.Random(seed + 1)
     vocab = loaded.config.vocab_size
-    engine = LLMEngine(EngineConfig(kv_cache_memory=budget, max_model_len=turns * (question_len[1] + max_tokens) + 64), loaded)
+    engine = LLMEngine(EngineConfig(kv_cache_memory=budget, max_num_seqs=max_num_seqs,
+                                    max_model_len=turns * (question_len[1] + max_tokens) + 64), loaded)
     history = [[] for _ in range(conversations)]
     hits = shareable = 0
     for turn in range(turns):
@@ -72,11 +78,16 @@ def multiturn_scenario(loaded, conversations: int, turns: int, question_len: tup
 
 
 def prefix_bench(loaded, num_requests: int = 100, system_len: int = 2000, question_len=(50, 200), max_tokens: int = 32,
-                 budget: int = 4 << 30, conversations: int = 20, turns: int = 5, seed: int = 0, show: bool = True) -> dict:
-    off = shared_prompt_scenario(loaded, False, num_requests, system_len, question_len, max_tokens, budget, seed, show)
-    on = shared_prompt_scenario(loaded, True, num_requests, system_len, question_len, max_tokens, budget, seed, show)
-    multi = multiturn_scenario(loaded, conversations, turns, (20, 60), max_tokens, budget, seed, show)
+                 budget: int = 4 << 30, conversations: int = 20, turns: int = 5, seed: int = 0, show: bool = True,
+                 max_num_seqs: int = 64, checkpoint_memory: int | None = None) -> dict:
+    """checkpoint_memory: a recurrent model's state checkpoint budget (None: the engine's default, 1/8 of `budget`)."""
+    args = (num_requests, system_len, question_len, max_tokens, budget, seed, show, max_num_seqs, checkpoint_memory)
+    off = shared_prompt_scenario(loaded, False, *args)
+    on = shared_prompt_scenario(loaded, True, *args)
+    identical = off.pop("outputs") == on.pop("outputs")
+    multi = multiturn_scenario(loaded, conversations, turns, (20, 60), max_tokens, budget, seed, show, max_num_seqs)
     return {
+        "outputs_identical": identical,
         "off": off,
         "on": on,
         "ttft_reduction": 1 - on["ttft_mean_s"] / off["ttft_mean_s"],

@@ -47,6 +47,10 @@ def register(sub) -> None:
     x.add_argument("--conversations", type=int, default=20, help="multi-turn conversations")
     x.add_argument("--turns", type=int, default=5, help="turns per conversation")
     x.add_argument("--seed", type=int, default=0, help="workload seed")
+    x.add_argument("--max-num-seqs", type=int, default=64,
+                   help="sequences running at once (a recurrent model keeps a state slot for each)")
+    x.add_argument("--state-checkpoint-memory", default=None,
+                   help="a recurrent model's state checkpoint budget, taken from --budget (default: 1/8 of it)")
     _output_options(x, model=True)
     x.set_defaults(func=run_prefix)
 
@@ -208,11 +212,21 @@ def run_memory(args) -> int:
 
 def run_prefix(args) -> int:
     from kvforge.bench.prefix import prefix_bench
+    from kvforge.bench.recurrent_model import is_random
     from kvforge.models.loader import load_model
 
     r = prefix_bench(load_model(args.model), args.num_requests, args.system_len, tuple(args.question_len), args.max_tokens,
-                     parse_size(args.budget), args.conversations, args.turns, args.seed, not args.no_progress)
+                     parse_size(args.budget), args.conversations, args.turns, args.seed, not args.no_progress,
+                     args.max_num_seqs, parse_size(args.state_checkpoint_memory) if args.state_checkpoint_memory else None)
+    r["random_weights"] = is_random(args.model)
+    on = r["on"]
     _emit(r, args.json, [
+        ("weights", "RANDOM (kvforge.bench.recurrent_model): engine figures only" if r["random_weights"] else None),
+        ("outputs identical off / on", r["outputs_identical"]),
+        ("state checkpoints stored / hit / evicted", f'{on["state_checkpoints_stored"]} / {on["state_checkpoints_hit"]} / '
+         f'{on["state_checkpoints_evicted"]}' if "state_checkpoints_stored" in on else None),
+        ("bytes per state checkpoint", on.get("state_checkpoint_bytes")),
+        ("hits short of a checkpoint", on.get("prefix_hits_short_of_checkpoint")),
         ("mean TTFT off / on (s)", f'{r["off"]["ttft_mean_s"]:.2f} / {r["on"]["ttft_mean_s"]:.2f}'),
         ("p50 TTFT off / on (s)", f'{r["off"]["ttft_p50_s"]:.2f} / {r["on"]["ttft_p50_s"]:.2f}'),
         ("p99 TTFT off / on (s)", f'{r["off"]["ttft_p99_s"]:.2f} / {r["on"]["ttft_p99_s"]:.2f}'),

@@ -109,6 +109,8 @@ def format_report(r: MemoryReport) -> str:
             f"layers; the {r.window_layers} window layers hold at most {human(r.window_cap_bytes)} per sequence")]
           if r.window_layers else []),
         f"  per sequence         {_bytes(r.per_sequence_bytes)}",
+        *([(f"    of which state     {_bytes(r.state_bytes_per_sequence)}  ({r.recurrent_layers} recurrent layers, "
+            "any length)")] if r.recurrent_layers else []),
         *([f"    of which fp16 side {_bytes(r.side_bytes_per_sequence)}  (staging, window, sinks)"]
           if r.side_bytes_per_sequence else []),
         f"  {f'total (batch {r.batch})':<21}{_bytes(r.total_bytes)}",

@@ -19,9 +19,9 @@ from kvforge.engine.speculative.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
-from kvforge.kv.groups import build_groups
+from kvforge.kv.groups import build_groups, state_bytes_per_sequence
 from kvforge.kv.manager import KVCacheManager
-from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
+from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, checkpoint_budget, num_blocks_for_budget
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.keys import ModelKey
@@ -62,6 +62,9 @@ class LLMEngine:
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
+        self.state_groups = cfg.state_groups
+        self.state_bytes = state_bytes_per_sequence(self.state_groups)  # per running sequence, whatever its length
+        self._check_recurrent(config)
         self.speculative_config = config.speculative
         check_speculation(self.speculative_config, self.loaded.model, self.groups, self.policy)
         self.draft = load_draft_model(self.speculative_config, self.loaded, self.device, self.max_model_len,
@@ -77,7 +80,8 @@ class LLMEngine:
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.kv_spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
-                                 self.max_model_len, prefix, config.max_num_seqs, self.groups)
+                                 self.max_model_len, prefix, config.max_num_seqs, self.groups, self.state_groups,
+                                 self.checkpoint_bytes, config.state_checkpoint_interval)
         self.preemption_mode = config.resolve_preemption_mode(self.policy.evicts)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    self.preemption_mode)
@@ -101,6 +105,19 @@ class LLMEngine:
         if self.tiers is not None:  # the tiers' weights fingerprint read a state dict (int8: dequantized copies)
             release_freed_memory()
 
+    def _check_recurrent(self, config: EngineConfig) -> None:
+        """What recurrent layers do not support yet is refused before anything is allocated."""
+        if not self.state_groups:
+            return
+        kinds = ", ".join(sorted({g.kind for g in self.state_groups}))
+        if config.kv_tiers:
+            raise ConfigError(f"kv_tiers is not supported on a model with recurrent layers ({kinds}) yet: tiers do not "
+                              "store their states; leave kv_tiers unset")
+        if config.speculative and config.speculative.method != "ngram":
+            raise ConfigError(f"speculative method {config.speculative.method!r} is not supported on a model with "
+                              f"recurrent layers ({kinds}): its drafter would run the target's layers over their state; "
+                              "use 'ngram'")
+
     @property
     def tiers(self):
         """The KV tiers' chain (kvforge.kv.tiers.chain.TierChain) when the connector is the tiers', else None."""
@@ -117,9 +134,14 @@ class LLMEngine:
         if budget is None:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
         self.kv_budget_bytes = budget
+        self.checkpoint_bytes = self._checkpoint_budget(budget)  # taken out of the KV budget
+        budget -= self.checkpoint_bytes
         draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
         if draft_spec is None:
-            num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
+            num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups,
+                                               self.state_bytes)
+            if num_blocks < 0:  # no attention layer: blocks cost nothing, they only key the prefix tree
+                num_blocks = 2 * c.max_num_seqs * blocks_for_tokens(self.max_model_len, c.block_size)
         else:  # each block also holds the draft model's K/V of the same tokens
             num_blocks = shared_num_blocks(self.kv_spec, self.groups, draft_spec, self.format, c.block_size, budget,
                                            c.max_num_seqs)
@@ -133,11 +155,26 @@ class LLMEngine:
         if num_blocks < need or num_blocks == 0:
             per_block = bytes_per_block(self.kv_spec, self.format, c.block_size, self.groups)
             per_block += bytes_per_block(draft_spec, self.format, c.block_size) if draft_spec else 0
+            if self.state_bytes and num_blocks == 0:
+                kept = f" (after {self.checkpoint_bytes} for state checkpoints)" if self.checkpoint_bytes else ""
+                raise ConfigError(f"a KV budget of {budget} bytes{kept} does not hold the recurrent state of "
+                                  f"max_num_seqs={c.max_num_seqs} sequences ({self.state_bytes} bytes each) and one "
+                                  "block; raise kv_cache_memory or lower max_num_seqs")
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
                 f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
                 "raise kv_cache_memory or lower max_model_len")
         return num_blocks
+
+    def _checkpoint_budget(self, budget: int) -> int:
+        """Bytes of the KV budget that hold recurrent state checkpoints (prefix caching on a recurrent model)."""
+        c = self.config
+        if not self.state_bytes or not c.enable_prefix_caching or c.kv_layout != "paged" or self.policy.evicts:
+            return 0  # the same conditions as the manager's prefix tree
+        share = checkpoint_budget(budget, self.state_bytes, c.state_checkpoint_memory)
+        if share > budget:
+            raise ConfigError(f"state_checkpoint_memory={share} is more than the KV budget of {budget} bytes")
+        return share
 
     def capped_note(self) -> str:
         """Why max_model_len is below the model's context, when the KV budget capped it; else empty."""
@@ -314,14 +351,16 @@ class LLMEngine:
         rejected = {rid: r for rid, r in (rejected or {}).items() if r}
         before = [seq.num_computed_tokens for seq in batch.seqs]
         self.scheduler.update_from_output(batch, rejected)
-        for seq in batch.seqs:
+        for i, seq in enumerate(batch.seqs):
             if seq.request_id in rejected:
                 self.kv.rollback(seq)
+                self.kv.rollback_state(seq, i, batch.num_new_tokens[i] - rejected[seq.request_id])
                 self.runner.speculator.rollback(seq, self.kv)
         bs = self.kv.block_size
         for seq, prev in zip(batch.seqs, before):
             if seq.num_computed_tokens // bs > prev // bs and seq.request_id not in uncached:
                 self.kv.cache_full_blocks(seq)
+        self.kv.store_checkpoints(batch.seqs, before)
         if self.runner.evictor:
             self.runner.evictor.after_step(batch.seqs, stats, rejected)
 

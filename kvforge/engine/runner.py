@@ -28,7 +28,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, device: torch.device,
                  layer_windows: list[int | None] | None = None, detokenize=None):
         self.model, self.kv, self.device = model, kv, device
-        self.layer_windows = layer_windows or [None] * kv.spec.num_layers  # each layer's sliding window
+        self.layer_windows = layer_windows if layer_windows is not None else [None] * kv.spec.num_layers  # per KV layer
         self.detokenize = detokenize
         self.forward_tokens = 0  # tokens pushed through the model, for FLOP accounting
         self.sampled_tokens = 0
@@ -72,13 +72,17 @@ class ModelRunner:
                                            ) if self.evictor else None
         slot_tensors = [torch.tensor(s, dtype=torch.long, device=dev) for s in slots]
         views: dict[tuple[int, int | None], AttentionMetadata] = {}
-        for layer, window in enumerate(self.layer_windows):
-            g = kv.group_of_layer[layer]
+        state_slots = [kv.state_slot(seq) for seq in batch.seqs] if kv.state_pool is not None else None
+        cuts = [kv.checkpoint_cuts(seq, n) + (list(range(1, n)) if batch.drafts(seq) else [])  # a state per draft
+                for seq, n in zip(batch.seqs, batch.num_new_tokens)] if state_slots else None  # row: rollback
+        for layer, window in enumerate(self.layer_windows or [None]):  # a model without attention: one view
+            g = kv.group_of_layer.get(layer, 0)
             if (g, window) not in views:
                 views[g, window] = AttentionMetadata(
                     slot_mapping=slot_tensors[g], positions=pos, query_lens=list(batch.num_new_tokens),
                     context_lens=ctx_lens[g], block_tables=tables[g], block_size=bs, sliding_window=window,
-                    stats=None if groups[g].sliding else stats)  # KV policies see full-attention layers only
+                    stats=None if groups[g].sliding else stats,  # KV policies see full-attention layers only
+                    state_slots=state_slots, state_cuts=cuts if cuts and any(cuts) else None)
         meta = next((v for v in views.values() if v.stats is stats), next(iter(views.values())))
         if len(views) > 1:
             meta.layer_views = [views[kv.group_of_layer[i], w] for i, w in enumerate(self.layer_windows)]
@@ -89,6 +93,8 @@ class ModelRunner:
         """Push the batch's new tokens through the model (their K/V enter the cache): hidden states
         [T, hidden], the rows of sequences that reached their last token, and the attention a KV policy asked for."""
         input_ids, meta, sample_rows = self.build_metadata(batch)
+        if self.kv.state_pool is not None:
+            self.kv.state_pool.take_captured()  # a failed step's copies are not this step's
         hidden = self.model(input_ids, meta, self.kv.pool)
         if self.speculator:
             self.speculator.observe(input_ids, meta)

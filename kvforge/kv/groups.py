@@ -6,6 +6,10 @@ slot i of a block belongs to layer `layers[i]` of the group that allocated the b
 are all alike is one group of every layer. A sliding-window group frees a sequence's blocks that lie
 wholly behind the window (its table keeps a placeholder there), so it holds about window + one block
 rows per layer instead of the whole history.
+
+Recurrent layers (Mamba-2 mixers, short convolutions) cache no rows: each keeps a fixed state per sequence
+(`StateGroup`), held in the state pool beside the blocks (kv/state_pool.py), in the same budget. A hybrid's
+KV groups hold its attention layers only, numbered in attention order (the model maps its layers onto them).
 """
 from __future__ import annotations
 
@@ -36,9 +40,30 @@ class KVGroup:
         return total - self.first_needed_block(num_tokens - 1, block_size)
 
 
+@dataclass(frozen=True)
+class StateGroup:
+    """Layers of one recurrent kind whose per-sequence state has the same shapes (fp32)."""
+    kind: str  # "mamba2" | "short_conv"
+    layers: tuple[int, ...]  # model layers (not KV layer indices)
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # each state tensor of one layer: name, shape
+
+    def bytes_per_layer(self) -> int:
+        return 4 * sum(math.prod(shape) for _, shape in self.shapes)
+
+    def bytes_per_sequence(self) -> int:
+        return len(self.layers) * self.bytes_per_layer()
+
+
+def state_bytes_per_sequence(state_groups: list[StateGroup] | tuple[StateGroup, ...]) -> int:
+    """Bytes of recurrent state one running sequence holds, whatever its length."""
+    return sum(g.bytes_per_sequence() for g in state_groups)
+
+
 def build_groups(layer_windows: list[int | None], hybrid: bool = True) -> list[KVGroup]:
     """Groups for the layers' windows. hybrid=False keeps every layer's full history in one group (the old
     behaviour, for comparisons); attention still applies each layer's window."""
+    if not layer_windows:  # no attention layer (a pure recurrent model): one empty group, blocks of no bytes
+        return [KVGroup((), None)]
     kinds: dict[int | None, list[int]] = {}
     for layer, window in enumerate(layer_windows):
         kinds.setdefault(window if hybrid else None, []).append(layer)

@@ -14,11 +14,12 @@ import torch
 
 from kvforge.kv.blocks import BlockAllocator
 from kvforge.kv.connector import KVConnector
-from kvforge.kv.groups import NULL_BLOCK, KVGroup
+from kvforge.kv.groups import NULL_BLOCK, KVGroup, StateGroup
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_block
 from kvforge.kv.pool import KVPool
 from kvforge.kv.prefix import PrefixTree
+from kvforge.kv.recurrent_states import RecurrentStates
 from kvforge.kv.request_kv import RequestKV
 from kvforge.kv.sliding_prefix import SlidingPrefixTree
 from kvforge.kv.spec import KVCacheSpec
@@ -28,15 +29,19 @@ from kvforge.kv.transfers import ConnectorTransfers
 _EMPTY = RequestKV()
 
 
-class KVCacheManager(StagingWindows):
+class KVCacheManager(StagingWindows, RecurrentStates):
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
-                 max_num_seqs: int = 1, groups: list[KVGroup] | None = None):
+                 max_num_seqs: int = 1, groups: list[KVGroup] | None = None,
+                 state_groups: list[StateGroup] | None = None, state_checkpoint_memory: int = 0,
+                 state_checkpoint_interval: int = 1):
         self.spec, self.format, self.block_size, self.layout = spec, fmt, block_size, layout
         self.max_model_len = max_model_len
         self.groups = groups or [KVGroup(tuple(range(spec.num_layers)), None)]
         self.group_of_layer = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
         self.pool = KVPool(spec, fmt, num_blocks, block_size, device, max_num_seqs, self.groups)
+        self._init_states(state_groups or [], max_num_seqs, device, enable_prefix_caching and layout == "paged",
+                          state_checkpoint_memory, state_checkpoint_interval)
         self.staging_pools = [self.pool]  # pools whose layers follow the requests' fp16 windows (kv/staging.py)
         self.allocator = BlockAllocator(num_blocks)
         self.block_bytes = bytes_per_block(spec, fmt, block_size, self.groups)
@@ -112,6 +117,8 @@ class KVCacheManager(StagingWindows):
                 return held.num_matched
             self.free(req, cache=False)
         num = self._peek(tokens, req.cache_salt)
+        if num and self.state_pool is not None:
+            num = self._resume_state(req, tokens, num, count=held is None)
         if num:
             state = self._state(req)
             matches = [tree.match_prefix(tokens[:num], salt=req.cache_salt) for tree in self.prefix_trees]
@@ -128,8 +135,10 @@ class KVCacheManager(StagingWindows):
 
     def _peek(self, tokens, salt) -> int:
         """Tokens cached in every group: all full-attention blocks, and each sliding group's blocks of the
-        last window before the hit point."""
+        last window before the hit point; a recurrent model's, only as far as its deepest state checkpoint."""
         num = min(tree.peek_prefix(tokens, salt) for tree in self.prefix_trees)
+        if self.state_pool is not None:
+            return self._deepest_checkpoint(tokens, salt, num)
         while True:
             usable = min([num] + [t.usable_prefix(tokens[:num], salt) for t in self.prefix_trees
                                   if isinstance(t, SlidingPrefixTree)])
@@ -174,7 +183,12 @@ class KVCacheManager(StagingWindows):
             self._reclaim(need - self.allocator.num_free)
         if need > 0 and not self.allocator.can_allocate(need):
             return False
+        needs_state = self.state_pool is not None and (state is None or state.state_slot is None)
+        if needs_state and self.state_pool.num_free == 0:
+            return False
         state = self._state(req)
+        if needs_state:
+            state.state_slot = self.state_pool.allocate()
         for table, n in zip(state.block_tables, needs):
             if n > 0:
                 table.extend(self.allocator.allocate(n))
@@ -272,6 +286,8 @@ class KVCacheManager(StagingWindows):
                 tree.unlock(node)
         for table in state.block_tables:
             self.allocator.decref([b for b in table if b != NULL_BLOCK])
+        if state.state_slot is not None:
+            self.state_pool.free(state.state_slot)
         self._unstage_all(state)
 
     # -- KV connector: it moves the bytes, the manager keeps the blocks ---------------------------------
@@ -316,7 +332,9 @@ class KVCacheManager(StagingWindows):
             self.connector.close(self.prefix_tree, timeout)
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached block nobody is using; returns blocks freed."""
+        """Drop every cached block nobody is using (and every state checkpoint); returns blocks freed."""
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
         return self._reclaim(self.allocator.num_blocks)
 
     def stats(self) -> dict:
@@ -343,5 +361,6 @@ class KVCacheManager(StagingWindows):
             "prefix_reclaimed_blocks": sum(t.reclaimed_blocks for t in trees),
             "prefix_cache_granularity_tokens": self.block_size,
             "prefix_short_prompts": self.prefix_short_prompts,
+            **(self._state_stats() if self.state_pool is not None else {}),
             **(self.connector.stats() if self.connector is not None else {}),
         }

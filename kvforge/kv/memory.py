@@ -1,7 +1,9 @@
 """The one formula for KV memory: bytes per token, per block, per request, and pool sizing.
 
 With KV groups (kv/groups.py) a block spans `group_size` layer slots and a sequence holds blocks in every
-group; without groups (None) a block spans every layer and a sequence holds one table.
+group; without groups (None) a block spans every layer and a sequence holds one table. Recurrent layers add a
+fixed `state_bytes` per sequence (kv/groups.py `state_bytes_per_sequence`): the state pool holds one slot per
+sequence the engine may run, in the same budget, like a format's side buffers.
 """
 from __future__ import annotations
 
@@ -42,35 +44,51 @@ def bytes_for_sequence(spec: KVCacheSpec, fmt: KVFormat, num_tokens: int, block_
 
 
 def side_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, max_num_seqs: int = 1,
-               groups: list[KVGroup] | None = None) -> int:
-    """Fixed bytes a format keeps beside its blocks (e.g. fp16 residual windows), all layer slots; a slot
-    serves one block per sequence in each group."""
+               groups: list[KVGroup] | None = None, state_bytes: int = 0) -> int:
+    """Fixed bytes kept beside the blocks: a format's (e.g. fp16 residual windows, all layer slots; a slot
+    serves one block per sequence in each group) and the recurrent state of max_num_seqs sequences."""
     seqs = max_num_seqs * (len(groups) if groups else 1)
-    return layer_slots(spec, groups) * fmt.side_bytes(spec, block_size, seqs)
+    return layer_slots(spec, groups) * fmt.side_bytes(spec, block_size, seqs) + max_num_seqs * state_bytes
 
 
 def num_blocks_for_budget(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget_bytes: int,
-                          max_num_seqs: int = 1, groups: list[KVGroup] | None = None) -> int:
-    """Blocks that fit a budget after the format's side buffers for max_num_seqs sequences."""
-    usable = budget_bytes - side_bytes(spec, fmt, block_size, max_num_seqs, groups)
-    return max(0, int(usable // bytes_per_block(spec, fmt, block_size, groups)))
+                          max_num_seqs: int = 1, groups: list[KVGroup] | None = None, state_bytes: int = 0) -> int:
+    """Blocks that fit a budget after the side buffers and states of max_num_seqs sequences (a model without
+    attention layers has blocks of no bytes: -1 when its states fit, 0 when they do not)."""
+    usable = budget_bytes - side_bytes(spec, fmt, block_size, max_num_seqs, groups, state_bytes)
+    per_block = bytes_per_block(spec, fmt, block_size, groups)
+    if per_block == 0:
+        return -1 if usable >= 0 else 0
+    return max(0, int(usable // per_block))
 
 
 def pool_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, num_blocks: int, max_num_seqs: int = 1,
-               groups: list[KVGroup] | None = None) -> int:
-    """Exactly what a pool of num_blocks allocates."""
+               groups: list[KVGroup] | None = None, state_bytes: int = 0) -> int:
+    """Exactly what a pool of num_blocks (and a state pool of max_num_seqs slots) allocates."""
     return (num_blocks * bytes_per_block(spec, fmt, block_size, groups)
-            + side_bytes(spec, fmt, block_size, max_num_seqs, groups))
+            + side_bytes(spec, fmt, block_size, max_num_seqs, groups, state_bytes))
 
 
 def budget_for(spec: KVCacheSpec, fmt: KVFormat, block_size: int, tokens_per_seq: int, num_seqs: int = 1,
-               spare_blocks: int = 0, groups: list[KVGroup] | None = None) -> int:
+               spare_blocks: int = 0, groups: list[KVGroup] | None = None, state_bytes: int = 0) -> int:
     """The smallest budget that holds num_seqs sequences of tokens_per_seq (plus spare blocks)."""
     blocks = num_seqs * blocks_for_sequence(tokens_per_seq, block_size, groups) + spare_blocks
-    return pool_bytes(spec, fmt, block_size, blocks, num_seqs, groups)
+    return pool_bytes(spec, fmt, block_size, blocks, num_seqs, groups, state_bytes)
 
 
 def sequences_that_fit(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget_bytes: int, seq_len: int,
-                       groups: list[KVGroup] | None = None) -> int:
-    """How many sequences of seq_len tokens a budget holds, side buffers included (they grow linearly in sequences)."""
-    return int(budget_bytes // budget_for(spec, fmt, block_size, seq_len, 1, groups=groups))
+                       groups: list[KVGroup] | None = None, state_bytes: int = 0) -> int:
+    """How many sequences of seq_len tokens a budget holds, side buffers and recurrent states included (they grow
+    linearly in sequences)."""
+    return int(budget_bytes // budget_for(spec, fmt, block_size, seq_len, 1, groups=groups, state_bytes=state_bytes))
+
+
+CHECKPOINT_SHARE = 8  # a recurrent model with prefix caching keeps state checkpoints in 1/8 of its KV budget
+
+
+def checkpoint_budget(budget_bytes: int, state_bytes: int, given: int | None = None) -> int:
+    """Bytes of a KV budget that hold recurrent state checkpoints (kv/state_checkpoints.py): `given`, else
+    1/CHECKPOINT_SHARE of it; none without recurrent layers."""
+    if not state_bytes:
+        return 0
+    return budget_bytes // CHECKPOINT_SHARE if given is None else given

@@ -22,6 +22,7 @@ class KVPool:
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  max_num_seqs: int = 1, groups: list[KVGroup] | None = None):
         self.spec, self.format, self.num_blocks, self.block_size = spec, fmt, num_blocks, block_size
+        self.state = None  # the recurrent layers' StatePool (kv/state_pool.py), set by the manager when there are any
         seqs = max_num_seqs * (len(groups) if groups else 1)
         self.slots = [fmt.allocate(spec, num_blocks, block_size, device, seqs) for _ in range(layer_slots(spec, groups))]
         self.layers = list(self.slots)

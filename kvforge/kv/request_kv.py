@@ -17,6 +17,7 @@ class RequestKV:
     num_evicted: int = 0  # computed tokens a KV policy dropped from the cache (full-attention groups)
     policy_state: Any = None  # the KV policy's statistics (kvforge.kv.policies.PolicyState)
     load: Any = None  # blocks on their way in through the KV connector (kvforge.kv.connector.Transfer)
+    state_slot: int | None = None  # its slot in the recurrent state pool (kvforge.kv.state_pool), recurrent models
 
     @property
     def block_table(self) -> list[int]:

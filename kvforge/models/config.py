@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge.errors import ModelLoadError
+from kvforge.kv.groups import StateGroup
 from kvforge.kv.spec import KVCacheSpec
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -31,7 +32,11 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific (MLA, MoE)
+    extra: dict[str, Any] = field(default_factory=dict)  # architecture-specific (MLA, MoE, Mamba-2)
+    # recurrent hybrids: model layers with attention (KV layer i is model layer attention_layers[i]; None = every
+    # layer) and the recurrent layers' state groups (kv/groups.py StateGroup)
+    attention_layers: list[int] | None = None
+    state_groups: list[StateGroup] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:
@@ -48,6 +53,15 @@ class ModelConfig:
         return self.layer_windows()[layer]
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers that cache K/V (a hybrid's attention layers)."""
+        return self.num_layers if self.attention_layers is None else len(self.attention_layers)
+
+    @property
+    def recurrent(self) -> bool:
+        return bool(self.state_groups)
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -56,19 +70,21 @@ class ModelConfig:
         kv_lora_rank = self.extra.get("kv_lora_rank")
         if kv_lora_rank:
             return KVCacheSpec(self.num_layers, 1, kv_lora_rank + self.extra["qk_rope_head_dim"], 0)
-        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.head_dim)
+        return KVCacheSpec(self.num_kv_layers, self.num_kv_heads, self.head_dim, self.head_dim)
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's sliding window in tokens (None = full attention), as transformers applies them: with a
         `sliding_window`, the layers `layer_types` marks sliding (every layer when there is no list)."""
         if not self.sliding_window:
-            return [None] * self.num_layers
+            return [None] * self.num_kv_layers
         if self.layer_types is None:
             return [self.sliding_window] * self.num_layers
         return [self.sliding_window if t == SLIDING else None for t in self.layer_types]
 
     @property
     def attention_kind(self) -> str:
+        if self.num_kv_layers == 0:
+            return "none"
         if self.extra.get("kv_lora_rank"):
             return "MLA"
         if self.num_kv_heads == self.num_heads:

@@ -1,4 +1,5 @@
-"""ModelConfig from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, DeepSeek-V2/V3)."""
+"""ModelConfig from a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, DeepSeek-V2/V3; Mamba-2 and
+Granite 4.0-H hybrids through models/recurrent_config.py)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ from typing import Any
 from kvforge.errors import ModelLoadError
 from kvforge.models.config import ModelConfig
 from kvforge.models.gemma_config import GEMMA_ARCHES, gemma_from_hf
+from kvforge.models.recurrent_config import recurrent_arch, recurrent_from_hf
 
 ARCH_BY_MODEL_TYPE = {
     "llama": "llama",
@@ -39,7 +41,8 @@ MOE_KEYS = (
 
 def is_supported(cfg: dict[str, Any]) -> bool:
     """Whether kvforge runs this architecture (else only `kvforge memory` reads it, by its standard fields)."""
-    return cfg.get("model_type") in ARCH_BY_MODEL_TYPE or any(c in ARCH_BY_CLASS for c in cfg.get("architectures") or [])
+    return (cfg.get("model_type") in ARCH_BY_MODEL_TYPE or any(c in ARCH_BY_CLASS for c in cfg.get("architectures") or [])
+            or recurrent_arch(cfg) is not None)
 
 
 def detect_arch(cfg: dict[str, Any]) -> str:
@@ -104,6 +107,8 @@ def _sliding(cfg: dict[str, Any], arch: str) -> tuple[int | None, list[str] | No
 
 def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Translate a Hugging Face config dict into a ModelConfig."""
+    if recurrent_arch(cfg) is not None:
+        return recurrent_from_hf(cfg)
     arch = detect_arch(cfg)
     _require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     heads = int(cfg["num_attention_heads"])

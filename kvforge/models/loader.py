@@ -82,7 +82,28 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
         from kvforge.models.deepseek import DeepseekForCausalLM
 
         return DeepseekForCausalLM
-    raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, gemma2, gemma3, deepseek_v2, deepseek_v3")
+    if cfg.arch == "granitemoehybrid":
+        from kvforge.models.granite_hybrid import GraniteHybridForCausalLM
+
+        return GraniteHybridForCausalLM
+    if cfg.arch == "mamba2":
+        from kvforge.models.mamba2 import Mamba2ForCausalLM
+
+        return Mamba2ForCausalLM
+    if cfg.arch == "lfm2":
+        from kvforge.models.lfm2 import Lfm2ForCausalLM
+
+        return Lfm2ForCausalLM
+    if cfg.arch == "rwkv":
+        from kvforge.models.rwkv import RwkvForCausalLM
+
+        return RwkvForCausalLM
+    if cfg.arch == "qwen3_next":
+        from kvforge.models.qwen3_next import Qwen3NextForCausalLM
+
+        return Qwen3NextForCausalLM
+    raise ModelLoadError(f"architecture {cfg.arch!r} is not supported; supported: llama, qwen2, qwen3, gemma2, gemma3, "
+                         "deepseek_v2, deepseek_v3, granitemoehybrid, mamba2, lfm2, rwkv, qwen3_next")
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
@@ -102,7 +123,8 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module
             raise ModelLoadError(f"weight {name} has shape {tuple(t.shape)}, the config implies {tuple(want)}")
     model.load_state_dict(weights, strict=False, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        embed = {"mamba2": "backbone.embeddings", "rwkv": "rwkv.embeddings"}.get(cfg.arch, "model.embed_tokens")
+        model.get_submodule("head" if cfg.arch == "rwkv" else "lm_head").weight = model.get_submodule(embed).weight
     model.init_buffers()
     return model
 

@@ -1,5 +1,5 @@
 """No block leaks: random add / step / abort / preempt workloads (with and without speculative rollback)
-keep every block accounted, and a reset leaves no node in any group's prefix tree."""
+keep every block accounted, and every recurrent state slot, and a reset leaves no node in any group's prefix tree."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -37,6 +37,11 @@ def check_accounting(engine: LLMEngine) -> None:
             expected[b] += 1
     assert expected == alloc.ref_counts
     seqs = {s.request_id: s for s in engine.scheduler.running}
+    if kv.state_pool is not None:  # one state slot per request that holds KV state, none shared, none lost
+        slots = [state.state_slot for state in kv.requests.values() if state.state_slot is not None]
+        assert len(slots) == len(set(slots)) == kv.state_pool.num_used
+        assert kv.state_pool.num_used + kv.state_pool.num_free == kv.state_pool.num_slots
+        assert all(kv.requests[seq.request_id].state_slot is not None for seq in sched.running)
     for rid, state in kv.requests.items():
         for group, table in zip(kv.groups, state.block_tables):
             placeholders = table.count(NULL_BLOCK)
@@ -92,6 +97,8 @@ def run_program(engine: LLMEngine, program) -> None:
     engine.kv.reset_prefix_cache()
     assert engine.kv.allocator.num_free == engine.kv.num_blocks
     assert [tree.num_nodes() for tree in engine.kv.prefix_trees] == [0] * len(engine.kv.prefix_trees)
+    if engine.kv.state_pool is not None:
+        assert engine.kv.state_pool.num_free == engine.kv.state_pool.num_slots
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -106,6 +113,33 @@ def test_random_workloads_never_leak(tiny_loaded, program, prefix_caching, layou
 def test_random_workloads_never_leak_with_two_kv_groups(hybrid_loaded, program, prefix_caching, speculative):
     """Full and sliding-window groups share the allocator; sliding tables free blocks behind the window."""
     run_program(accounting_engine(hybrid_loaded, 36, prefix_caching, "paged", speculative), program)
+
+
+@pytest.fixture(scope="module")
+def recurrent_loaded(tmp_path_factory):
+    """Granite 4.0-H shaped: three Mamba-2 mixer layers (a state slot each sequence) and one attention layer."""
+    from tiny_models import write_tiny_model
+
+    from kvforge.models.loader import load_model
+
+    d = tmp_path_factory.mktemp("granite-hybrid")
+    write_tiny_model("granite-hybrid", d)
+    return load_model(str(d))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(program=ops, prefix_caching=st.booleans(), layout=st.sampled_from(["paged", "contiguous"]))
+def test_random_workloads_never_leak_state_slots(recurrent_loaded, program, prefix_caching, layout):
+    """Preemption (24 blocks of 4 tokens for up to 6 sequences of 64), aborts mid-prefill, finishes and resumes from
+    state checkpoints (3 of them, evicted LRU) give every state slot back."""
+    probe = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, block_size=4, max_num_seqs=6), recurrent_loaded)
+    checkpoints = 3 * probe.state_bytes if prefix_caching and layout == "paged" else 0  # room for 3 checkpoints
+    cfg = EngineConfig(kv_cache_memory=checkpoints + 6 * probe.state_bytes + 24 * probe.kv.block_bytes, block_size=4,
+                       max_model_len=64, max_num_seqs=6, max_num_batched_tokens=24,
+                       enable_prefix_caching=prefix_caching, kv_layout=layout, state_checkpoint_memory=checkpoints)
+    engine = LLMEngine(cfg, recurrent_loaded)
+    assert engine.kv.num_blocks == 24 and engine.kv.state_pool.num_slots == 6
+    run_program(engine, program)
 
 
 def test_preemption_happens_and_recovers(tiny_loaded):

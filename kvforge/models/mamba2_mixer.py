@@ -1,0 +1,117 @@
+"""The Mamba-2 mixer (Dao & Gu 2024, "Transformers are SSMs": state space duality) over the engine's state pool.
+
+Per sequence of a step: the causal depthwise convolution reads the last d_conv - 1 inputs from the sequence's
+state slot (zeros before its first token) and leaves its own last ones there; the selective scan starts from the
+slot's SSM state and leaves the state after the step's last token. So a prompt may arrive in one step, in chunks
+or token by token, and a batch may mix prefills and decodes: the result is the same. The scan runs in segments of
+at most SEGMENT tokens in the SSD's quadratic (attention-like) form, carrying the state between segments; segments
+also end where the step asks for a checkpoint (meta.state_cuts), whose copies go to the state pool's captures.
+Parameter names follow Hugging Face (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SEGMENT = 64
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(gate), per group of channels (Mamba-2's norm before out_proj)."""
+
+    def __init__(self, size: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = y.float() * F.silu(gate.float())
+        g = y.view(*y.shape[:-1], -1, self.group_size)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view_as(y)
+
+
+def segments(length: int, cuts: list[int]) -> list[tuple[int, int]]:
+    """[start, end) pieces of at most SEGMENT tokens covering `length`, ending at every cut."""
+    ends = sorted(set(range(SEGMENT, length, SEGMENT)) | {c for c in cuts if 0 < c < length} | {length})
+    return list(zip([0] + ends[:-1], ends))
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+             state: torch.Tensor, cuts: list[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """One sequence's scan. x [T, H, P], dt [T, H] (discretized), a [H] (negative), b, c [T, H, N] (per head),
+    state [H, P, N], updated in place to the state after the last token. Returns y [T, H, P] (without D) and a copy
+    of the state after each of `cuts` tokens (checkpoints)."""
+    out, saved = [], {}
+    for s, e in segments(x.shape[0], list(cuts)):
+        xs, dts, bs, cs = x[s:e], dt[s:e], b[s:e], c[s:e]
+        length = xs.shape[0]
+        cum = torch.cumsum(dts * a, dim=0)  # [L, H] log decay from the segment's start through each token
+        diff = cum[:, None, :] - cum[None, :, :]  # [L(t), L(s), H]: decay from token s to token t
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        decay = torch.exp(diff.masked_fill(~causal[..., None], float("-inf")))
+        scores = torch.einsum("thn,shn->tsh", cs, bs) * decay  # [L, L, H]
+        xdt = xs * dts[..., None]  # [L, H, P]
+        y = torch.einsum("tsh,shp->thp", scores, xdt)
+        y = y + torch.einsum("thn,hpn->thp", cs, state) * torch.exp(cum)[..., None]
+        to_end = torch.exp(cum[-1][None, :] - cum)  # [L, H]
+        state.mul_(torch.exp(cum[-1])[:, None, None]).add_(torch.einsum("sh,shp,shn->hpn", to_end, xdt, bs))
+        out.append(y)
+        if e in cuts:
+            saved[e] = state.clone()
+    return torch.cat(out), saved
+
+
+def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                cuts: list[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """One sequence's depthwise causal convolution. x [T, C]; window [K - 1, C], the previous inputs, replaced in
+    place by the last K - 1 inputs. Returns [T, C] and a copy of the window after each of `cuts` tokens."""
+    full = torch.cat([window, x])  # [K - 1 + T, C]
+    out = F.conv1d(full.t()[None], weight, bias, groups=full.shape[1])[0].t()
+    k = window.shape[0]
+    saved = {cut: full[cut:cut + k].clone() for cut in cuts}
+    window.copy_(full[full.shape[0] - k:])
+    return out, saved
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, hidden_size: int, mamba: dict[str, Any], layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.head_dim, self.d_state = mamba["n_heads"], mamba["head_dim"], mamba["d_state"]
+        self.n_groups, self.intermediate = mamba["n_groups"], mamba["intermediate"]
+        self.time_step_limit = mamba["time_step_limit"]
+        self.conv_dim = self.intermediate + 2 * self.n_groups * self.d_state
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, mamba["d_conv"], groups=self.conv_dim,
+                                bias=mamba["conv_bias"], padding=mamba["d_conv"] - 1)
+        self.in_proj = nn.Linear(hidden_size, self.intermediate + self.conv_dim + self.n_heads, bias=mamba["proj_bias"])
+        self.dt_bias = nn.Parameter(torch.ones(self.n_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.n_heads))
+        self.D = nn.Parameter(torch.ones(self.n_heads))
+        self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.n_groups, mamba["norm_eps"])
+        self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=mamba["proj_bias"])
+
+    def forward(self, h: torch.Tensor, meta, kv) -> torch.Tensor:
+        """h [T, hidden] of the step's sequences back to back (meta.query_start_loc / query_lens), each reading and
+        updating its slot meta.state_slots[i] of this layer's state in kv.state."""
+        states = kv.state.layer(self.layer_idx)
+        gate, xbc, dt = self.in_proj(h).split([self.intermediate, self.conv_dim, self.n_heads], dim=-1)
+        dt = F.softplus(dt + self.dt_bias).clamp(*self.time_step_limit)
+        a = -torch.exp(self.A_log.float())
+        rep = self.n_heads // self.n_groups
+        out = torch.empty(h.shape[0], self.intermediate, dtype=h.dtype, device=h.device)
+        for i, (start, n, slot) in enumerate(zip(meta.query_start_loc, meta.query_lens, meta.state_slots)):
+            rows, cuts = slice(start, start + n), meta.state_cuts[i] if meta.state_cuts else []
+            conv, windows = causal_conv(xbc[rows], states["conv"][slot], self.conv1d.weight, self.conv1d.bias, cuts)
+            x, b, c = F.silu(conv).split([self.intermediate, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
+            x = x.reshape(n, self.n_heads, self.head_dim)
+            b = b.reshape(n, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
+            c = c.reshape(n, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
+            y, ssms = ssd_scan(x, dt[rows], a, b, c, states["ssm"][slot], cuts)
+            out[rows] = (y + self.D[:, None] * x).reshape(n, self.intermediate)
+            for cut in cuts:
+                kv.state.capture(i, cut, self.layer_idx, {"conv": windows[cut], "ssm": ssms[cut]})
+        return self.out_proj(self.norm(out, gate))
