@@ -16,7 +16,7 @@ from torch import nn
 from kvforge.attention import AttentionMetadata
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
-from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, unfilled_embedding
 from kvforge.models.llama import Attention
 
 
@@ -69,7 +69,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = unfilled_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
