@@ -21,7 +21,13 @@ from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
 from kvforge.kv.groups import build_groups
 from kvforge.kv.manager import KVCacheManager
-from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, num_blocks_for_budget
+from kvforge.kv.memory import (
+    blocks_for_tokens,
+    bytes_per_block,
+    num_blocks_for_budget,
+    sequences_for_budget,
+    side_bytes,
+)
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.keys import ModelKey
@@ -77,9 +83,9 @@ class LLMEngine:
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.kv_spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
-                                 self.max_model_len, prefix, config.max_num_seqs, self.groups)
+                                 self.max_model_len, prefix, self.max_num_seqs, self.groups)
         self.preemption_mode = config.resolve_preemption_mode(self.policy.evicts)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+        self.scheduler = Scheduler(self.kv, self.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    self.preemption_mode)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, self.layer_windows, decode)
@@ -89,7 +95,7 @@ class LLMEngine:
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.speculative_config:
             self.runner.speculator = build_speculator(self.speculative_config, self.runner, self.draft,
-                                                      config.max_num_seqs, self.length_limit)
+                                                      self.max_num_seqs, self.length_limit)
         if config.kv_tiers:
             draft_pool = self.runner.speculator.drafter.pool if self.draft is not None else None  # tiers move its K/V too
             self.kv.attach_connector(build_tier_connector(
@@ -118,11 +124,16 @@ class LLMEngine:
             budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
         self.kv_budget_bytes = budget
         draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
+        draft_side = side_bytes(draft_spec, self.format, c.block_size, 1) if draft_spec else 0
+        # a format's fp16 windows are per running sequence: as many as the budget can run beside its blocks
+        self.max_num_seqs = sequences_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs,
+                                                 c.kv_staging_share, self.groups, draft_side)
         if draft_spec is None:
-            num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups)
+            num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, self.max_num_seqs,
+                                               self.groups)
         else:  # each block also holds the draft model's K/V of the same tokens
             num_blocks = shared_num_blocks(self.kv_spec, self.groups, draft_spec, self.format, c.block_size, budget,
-                                           c.max_num_seqs)
+                                           self.max_num_seqs)
         need = self._blocks_one_sequence(self.max_model_len)
         if num_blocks < need and c.max_model_len is None and num_blocks > 0:
             lengths = range(c.block_size, self.max_model_len + 1, c.block_size)
@@ -138,6 +149,19 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
                 "raise kv_cache_memory or lower max_model_len")
         return num_blocks
+
+    def kv_budget_split(self) -> dict:
+        """Where the KV budget went: blocks (the draft model's K/V included), per-sequence staging (fp16 windows
+        and sinks of `kv_staging_sequences` running sequences) and the rest (less than one block, unallocated)."""
+        c, draft = self.config, self.draft.config.kv_cache_spec() if self.draft else None
+        per_block = self.kv.block_bytes + (bytes_per_block(draft, self.format, c.block_size) if draft else 0)
+        staging = side_bytes(self.kv_spec, self.format, c.block_size, self.max_num_seqs, self.groups)
+        staging += side_bytes(draft, self.format, c.block_size, self.max_num_seqs) if draft else 0
+        blocks = self.kv.allocator.num_blocks * per_block
+        return {"kv_budget_bytes": self.kv_budget_bytes, "kv_block_bytes_total": blocks, "kv_staging_bytes": staging,
+                "kv_staging_sequences": self.max_num_seqs if staging else 0,
+                "kv_other_bytes": self.kv_budget_bytes - blocks - staging,
+                "max_num_seqs": self.max_num_seqs, "max_num_seqs_asked": c.max_num_seqs}
 
     def capped_note(self) -> str:
         """Why max_model_len is below the model's context, when the KV budget capped it; else empty."""
@@ -350,6 +374,7 @@ class LLMEngine:
             "kv_cache_dtype": self.format.name,
             "kv_layout": self.config.kv_layout,
             "weight_bytes": self.weight_bytes,
+            **self.kv_budget_split(),
         })
         if self.runner.evictor:
             s.update(self.runner.evictor.stats())
