@@ -10,6 +10,7 @@ import traceback
 import torch
 
 from kvforge.config import EngineConfig, check_max_model_len
+from kvforge.engine.grammar import RequestGrammar
 from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
@@ -104,6 +105,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
+        self.jump_forward_tokens = 0  # tokens a grammar forced, appended without a decode step of their own
         if self.tiers is not None:  # the tiers' weights fingerprint read a state dict (int8: dequantized copies)
             release_freed_memory()
 
@@ -203,11 +205,43 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, text, ids, params, time.monotonic(), cache_salt)
+        if params.structured_outputs is not None:
+            self._start_grammar(seq)
         if seq.generator is None and not params.greedy:
             seq.generator = torch.Generator().manual_seed(self._request_seeds.getrandbits(62))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _start_grammar(self, seq: Sequence) -> None:
+        """The request's grammar (a 400 when it does not compile); tokens it forces before the first sampled one
+        join the prompt's prefill when the request jumps forward."""
+        if self.runner.speculator is not None:
+            raise InvalidRequestError("structured output is not supported with speculative decoding on this engine")
+        seq.grammar = RequestGrammar(seq.params.structured_outputs, self.tokenizer, self.model_config.vocab_size)
+        if seq.params.jumps_forward:
+            for token in seq.grammar.forced_tokens()[: seq.params.max_tokens - 1]:
+                seq.grammar.accept(token)
+                seq.token_ids.append(token)
+                self.generated_tokens += 1
+                self.jump_forward_tokens += 1
+
+    def _jump_forward(self, seq: Sequence, now: float) -> str | None:
+        """Append the tokens seq's grammar forces now (their K/V come in the next step as one chunk); a stop reason
+        when one of them ends the request."""
+        for token in seq.grammar.forced_tokens():
+            seq.grammar.accept(token)
+            seq.token_ids.append(token)
+            self.generated_tokens += 1
+            self.jump_forward_tokens += 1
+            reason = self._stop_reason(seq)
+            if reason:
+                return reason
+        return None
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        reason = check_stop(seq, self.tokenizer, self.length_limit, self.model_config.eos_token_ids)
+        return reason or ("stop" if seq.grammar is not None and seq.grammar.done else None)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -315,7 +349,10 @@ class LLMEngine:
         """Append seq's emitted tokens up to the first stop; returns how many it kept."""
         tokens, logprobs = result.tokens[seq.request_id], result.logprobs.get(seq.request_id)
         kept = 0
+        reason = None
         for j, token in enumerate(tokens):
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             seq.token_ids.append(token)
             kept += 1
             if logprobs is not None:
@@ -323,11 +360,14 @@ class LLMEngine:
             self.generated_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            reason = check_stop(seq, self.tokenizer, self.length_limit, self.model_config.eos_token_ids)
+            reason = self._stop_reason(seq)
             if reason:
-                seq.finish_reason = reason
-                seq.metrics.finished_time = now
                 break
+        if reason is None and seq.grammar is not None and seq.params.jumps_forward:
+            reason = self._jump_forward(seq, now)
+        if reason:
+            seq.finish_reason = reason
+            seq.metrics.finished_time = now
         seq.metrics.generated_tokens = seq.num_output_tokens
         return kept
 
@@ -374,6 +414,7 @@ class LLMEngine:
             "kv_cache_dtype": self.format.name,
             "kv_layout": self.config.kv_layout,
             "weight_bytes": self.weight_bytes,
+            "jump_forward_tokens": self.jump_forward_tokens,
             **self.kv_budget_split(),
         })
         if self.runner.evictor:
