@@ -85,8 +85,20 @@ def startup_lines(engine, model_name: str, url: str) -> list[str]:
          f"({s['kv_blocks_total'] * s['kv_block_size']:,} tokens), policy {engine.policy.name}, "
          f"prefix caching {'on' if engine.kv.prefix_tree is not None else 'off'}"),
         budget_note(engine),
+        structured_note(),
         f"serving the OpenAI API at {url}/v1 (max_num_seqs {engine.max_num_seqs})",
     ] + tier_lines(engine)
+
+
+def structured_note() -> str:
+    """Whether response_format json / tools can be served: they need llguidance."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"structured output (response_format json_object / json_schema, tools): on, llguidance {version('llguidance')}"
+    except PackageNotFoundError:
+        return ("structured output (response_format json_object / json_schema, tools): off, such requests get a 400; "
+                "pip install 'kvforge[structured]' (llguidance) to serve them")
 
 
 def sampling_note(engine) -> str:

@@ -109,3 +109,12 @@ def test_a_grammar_that_does_not_compile_is_refused(smol_loaded, spec, message):
 def test_structured_outputs_must_name_one_grammar(spec):
     with pytest.raises(InvalidRequestError, match="structured_outputs"):
         SamplingParams(structured_outputs=spec)
+
+
+def test_structured_output_with_speculative_decoding_is_refused(tiny_loaded):
+    engine = LLMEngine(EngineConfig(kv_cache_memory=8 << 20, max_model_len=128,
+                                    speculative={"method": "ngram", "num_speculative_tokens": 3}), tiny_loaded)
+    with pytest.raises(InvalidRequestError, match="speculative decoding"):
+        engine.add_request([1, 2, 3], SamplingParams(structured_outputs={"json_object": True}))
+    assert not engine.requests and engine.scheduler.waiting == type(engine.scheduler.waiting)()
+    engine.close()
