@@ -1,7 +1,8 @@
 """Structured output and tool calls through a real server (uvicorn on a socket), with the official `openai` client
-and with LangChain (`langchain-openai`: with_structured_output and bind_tools)."""
+and with LangChain (`langchain-openai`: with_structured_output and bind_tools, invoked, streamed and async)."""
 from __future__ import annotations
 
+import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -134,6 +135,12 @@ def test_langchain_structured_output_and_tools(server, model_name):
     asked = bound.invoke("What is the weather in Paris?")
     (call,) = asked.tool_calls
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    streamed = None
+    for chunk in bound.stream("What is the weather in Rome?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [c["name"] for c in streamed.tool_calls] == ["get_weather"] and "city" in streamed.tool_calls[0]["args"]
+    later = asyncio.run(bound.ainvoke("What is the weather in Oslo?"))
+    assert [c["name"] for c in later.tool_calls] == ["get_weather"]
     answer = llm.bind_tools([get_weather]).invoke(
         ["What is the weather in Paris?", asked, ToolMessage(content="sunny", tool_call_id=call["id"])])
     assert answer.content or answer.tool_calls  # the round trip (tool_calls and a tool result) is accepted
