@@ -24,6 +24,9 @@ class EngineConfig:
     block_size: int = 16
     kv_layout: str = "paged"
     max_num_seqs: int = 64
+    # the largest share of the KV budget that staged formats' per-sequence fp16 windows and sinks may take: fewer
+    # sequences run at once when max_num_seqs' would take more (1.0: staging for max_num_seqs whatever it costs)
+    kv_staging_share: float = 0.25
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's context length
     enable_chunked_prefill: bool = True
@@ -72,6 +75,8 @@ class EngineConfig:
                                    and -(2**63) <= self.seed < 2**64),
              f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}"),
             (0 < self.kv_cache_memory_fraction <= 0.95, f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}"),
+            (isinstance(self.kv_staging_share, (int, float)) and 0 < self.kv_staging_share <= 1,
+             f"kv_staging_share must be in (0, 1], got {self.kv_staging_share!r}"),
             (self.weights in WEIGHT_KINDS, f"weights must be one of {WEIGHT_KINDS}, got {self.weights!r}"),
         ]
         for ok, message in checks:

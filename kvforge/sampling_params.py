@@ -10,6 +10,7 @@ MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing by less overflows
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it the penalty alone overflows or erases the logits
+STRUCTURED_KINDS = ("json", "json_object", "grammar")  # structured_outputs' keys (vLLM's names)
 
 
 @dataclass
@@ -39,6 +40,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # structured output (engine/grammar.py): {"json": SCHEMA}, {"json_object": True} or {"grammar": LARK}
+    structured_outputs: dict | None = None
+    jump_forward: bool = True  # tokens the grammar forces enter as one prefill chunk (False: one decode step each)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -67,10 +71,16 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+        check_structured_outputs(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def jumps_forward(self) -> bool:
+        """Forced grammar tokens enter as one prefill chunk (not when logprobs are asked: forced tokens have none)."""
+        return self.structured_outputs is not None and self.jump_forward and self.logprobs is None
 
     @property
     def has_penalties(self) -> bool:
@@ -94,3 +104,16 @@ def _extra(n) -> int:
 
 def _integer(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_structured_outputs(spec) -> None:
+    """InvalidRequestError unless spec is None or a dict with exactly one of STRUCTURED_KINDS, of the right type."""
+    if spec is None:
+        return
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
+        raise InvalidRequestError(f"structured_outputs must be a dict with one of {', '.join(STRUCTURED_KINDS)}, got {spec!r}")
+    kind, value = next(iter(spec.items()))
+    ok = {"json": isinstance(value, (dict, str, bool)), "json_object": value is True, "grammar": isinstance(value, str)}
+    if not ok[kind]:
+        raise InvalidRequestError(f"structured_outputs[{kind!r}] must be "
+                                  f"{ {'json': 'a JSON schema', 'json_object': 'true', 'grammar': 'a Lark grammar'}[kind]}")

@@ -37,7 +37,7 @@ def hybrid_bench(loaded, seq_len: int = 4096, num_requests: int = 8, budget_seqs
     for name, groups in (("groups", True), ("full_layers", False)):
         runs[name] = run_layout(loaded, "paged", workload, budget, seq_len, num_requests, show_progress, name,
                                 kv_cache_groups=groups, block_size=block_size, kv_cache_dtype=kv_dtype,
-                                max_num_batched_tokens=chunk)
+                                max_num_batched_tokens=chunk, kv_staging_share=1.0)
         runs[name].pop("utilization")  # live tokens per block row: not comparable across block shapes
         runs[name]["sequences_that_fit"] = sequences_that_fit(spec, fmt, block_size, budget, seq_len,
                                                               grouped if groups else full)

@@ -51,7 +51,7 @@ def decode_engine(loaded, dtype: str, context: int, batch: int, tokens: int, blo
     budget = budget_for(spec, get_format(dtype, **(options or {})), block_size, context + tokens + 8, batch, 1)
     engine = LLMEngine(EngineConfig(kv_cache_dtype=dtype, kv_cache_options=options, block_size=block_size,
                                     max_num_seqs=batch, kv_cache_memory=budget, max_model_len=context + tokens + 8,
-                                    enable_prefix_caching=False), loaded)
+                                    enable_prefix_caching=False, kv_staging_share=1.0), loaded)  # `batch` windows
     fill_synthetic(engine, context, batch)
     engine.step()  # the last prompt token: first decode-shaped step, warms up
     return engine

@@ -29,7 +29,7 @@ def _engine(loaded, blocks: int, kv_dtype: str, tiers: list[str] | None, max_num
     spec = loaded.config.kv_cache_spec()
     memory = pool_bytes(spec, get_format(kv_dtype), BLOCK, blocks, max_num_seqs)
     return LLMEngine(EngineConfig(kv_cache_memory=memory, kv_cache_dtype=kv_dtype, block_size=BLOCK, max_num_seqs=max_num_seqs,
-                                  max_model_len=blocks * BLOCK, kv_tiers=tiers, **kw), loaded)
+                                  max_model_len=blocks * BLOCK, kv_tiers=tiers, kv_staging_share=1.0, **kw), loaded)
 
 
 def _ask(engine: LLMEngine, prompt: list[int], max_tokens: int = 1):

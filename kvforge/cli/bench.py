@@ -133,7 +133,9 @@ def register(sub) -> None:
     w.set_defaults(func=run_weights)
 
     from kvforge.bench.serve import register_serve
+    from kvforge.bench.structured import register_structured
     register_serve(bsub)
+    register_structured(bsub)
 
 
 def _workload_options(p) -> None:

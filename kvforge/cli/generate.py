@@ -131,6 +131,8 @@ def kv_stats(engine, ids: list[int], outs) -> dict:
         "kv_bytes_peak": s["kv_blocks_used_peak"] * engine.kv.block_bytes,
         "kv_bytes_total": s["kv_bytes_total"],
         "kv_cache_dtype": s["kv_cache_dtype"],
+        **{k: s[k] for k in ("kv_budget_bytes", "kv_block_bytes_total", "kv_staging_bytes", "kv_staging_sequences",
+                             "kv_state_slot_bytes", "kv_state_checkpoint_bytes", "kv_other_bytes", "max_num_seqs", "max_num_seqs_asked")},
         "prompt_tokens": len(ids),
         "generated_tokens": sum(len(o.token_ids) for o in outs),
         "finish_reason": outs[0].finish_reason,

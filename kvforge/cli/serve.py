@@ -11,7 +11,14 @@ import sys
 import threading
 
 from kvforge.cli.common import add_engine_options, engine_kwargs
-from kvforge.cli.startup import add_chat_template_option, apply_chat_template, length_note, say_loading, template_note
+from kvforge.cli.startup import (
+    add_chat_template_option,
+    apply_chat_template,
+    budget_note,
+    length_note,
+    say_loading,
+    template_note,
+)
 from kvforge.errors import ConfigError
 
 API_KEY_ENV = "KVFORGE_API_KEY"
@@ -77,8 +84,21 @@ def startup_lines(engine, model_name: str, url: str) -> list[str]:
          f"{s['kv_blocks_total']:,} blocks of {s['kv_block_size']} tokens = {s['kv_bytes_total'] / 2**20:,.1f} MiB "
          f"({s['kv_blocks_total'] * s['kv_block_size']:,} tokens), policy {engine.policy.name}, "
          f"prefix caching {'on' if engine.kv.prefix_tree is not None else 'off'}"),
-        f"serving the OpenAI API at {url}/v1 (max_num_seqs {cfg.max_num_seqs})",
+        budget_note(engine),
+        structured_note(),
+        f"serving the OpenAI API at {url}/v1 (max_num_seqs {engine.max_num_seqs})",
     ] + tier_lines(engine)
+
+
+def structured_note() -> str:
+    """Whether response_format json / tools can be served: they need llguidance."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"structured output (response_format json_object / json_schema, tools): on, llguidance {version('llguidance')}"
+    except PackageNotFoundError:
+        return ("structured output (response_format json_object / json_schema, tools): off, such requests get a 400; "
+                "pip install 'kvforge[structured]' (llguidance) to serve them")
 
 
 def sampling_note(engine) -> str:

@@ -1,4 +1,4 @@
-"""What `generate` and `chat` say before they start: model, chat template, sampling, length limit;
+"""What `generate` and `chat` say before they start: model, chat template, sampling, length limit, the KV budget's split;
 and `--chat-template`, which gives a model the template it lacks (or replaces its own)."""
 from __future__ import annotations
 
@@ -59,6 +59,24 @@ def say_loading(model: str | None) -> None:
           flush=True)
 
 
+def budget_note(engine) -> str:
+    """Where the KV budget went: blocks, per-sequence staging (fp16 windows, sinks) and the unallocated rest."""
+    s, mib = engine.kv_budget_split(), 2**20
+    blocks = engine.kv.allocator.num_blocks
+    text = (f"KV budget {s['kv_budget_bytes'] / mib:,.1f} MiB: blocks {s['kv_block_bytes_total'] / mib:,.1f} MiB "
+            f"({blocks:,} of {engine.kv.block_size} tokens)")
+    if s["kv_staging_bytes"]:
+        fewer = (f", fewer than --max-num-seqs {s['max_num_seqs_asked']} so that blocks keep at least "
+                 f"{1 - engine.config.kv_staging_share:.0%} of the budget" if s["max_num_seqs"] < s["max_num_seqs_asked"] else "")
+        text += (f", per-sequence staging {s['kv_staging_bytes'] / mib:,.1f} MiB (the {engine.format.name} fp16 windows "
+                 f"of at most {s['max_num_seqs']} sequences running at once{fewer})")
+    if s["kv_state_slot_bytes"]:
+        text += f", recurrent state {s['kv_state_slot_bytes'] / mib:,.1f} MiB ({s['max_num_seqs']} slots)"
+    if s["kv_state_checkpoint_bytes"]:
+        text += f", state checkpoints {s['kv_state_checkpoint_bytes'] / mib:,.1f} MiB"
+    return text + f", other {s['kv_other_bytes'] / mib:,.2f} MiB (less than a block, unallocated)"
+
+
 def startup_line(llm, template: str, sampling: str) -> str:
     name = os.path.basename(os.path.normpath(llm.engine.loaded.path))
-    return f"[kvforge] {name}; {template}; {sampling}; {length_note(llm.engine)}"
+    return f"[kvforge] {name}; {template}; {sampling}; {length_note(llm.engine)}\n[kv cache] {budget_note(llm.engine)}"

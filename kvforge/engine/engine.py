@@ -10,6 +10,7 @@ import traceback
 import torch
 
 from kvforge.config import EngineConfig, check_max_model_len
+from kvforge.engine.grammar import RequestGrammar
 from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
@@ -21,7 +22,14 @@ from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
 from kvforge.kv.groups import build_groups, state_bytes_per_sequence
 from kvforge.kv.manager import KVCacheManager
-from kvforge.kv.memory import blocks_for_tokens, bytes_per_block, checkpoint_budget, num_blocks_for_budget
+from kvforge.kv.memory import (
+    blocks_for_tokens,
+    bytes_per_block,
+    checkpoint_budget,
+    num_blocks_for_budget,
+    sequences_for_budget,
+    side_bytes,
+)
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.keys import ModelKey
@@ -80,10 +88,10 @@ class LLMEngine:
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.kv_spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
-                                 self.max_model_len, prefix, config.max_num_seqs, self.groups, self.state_groups,
+                                 self.max_model_len, prefix, self.max_num_seqs, self.groups, self.state_groups,
                                  self.checkpoint_bytes, config.state_checkpoint_interval)
         self.preemption_mode = config.resolve_preemption_mode(self.policy.evicts)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+        self.scheduler = Scheduler(self.kv, self.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    self.preemption_mode)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, self.layer_windows, decode)
@@ -93,7 +101,7 @@ class LLMEngine:
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.speculative_config:
             self.runner.speculator = build_speculator(self.speculative_config, self.runner, self.draft,
-                                                      config.max_num_seqs, self.length_limit)
+                                                      self.max_num_seqs, self.length_limit)
         if config.kv_tiers:
             draft_pool = self.runner.speculator.drafter.pool if self.draft is not None else None  # tiers move its K/V too
             self.kv.attach_connector(build_tier_connector(
@@ -102,6 +110,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
+        self.jump_forward_tokens = 0  # tokens a grammar forced, appended without a decode step of their own
         if self.tiers is not None:  # the tiers' weights fingerprint read a state dict (int8: dequantized copies)
             release_freed_memory()
 
@@ -137,14 +146,18 @@ class LLMEngine:
         self.checkpoint_bytes = self._checkpoint_budget(budget)  # taken out of the KV budget
         budget -= self.checkpoint_bytes
         draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
+        draft_side = side_bytes(draft_spec, self.format, c.block_size, 1) if draft_spec else 0
+        # a format's fp16 windows are per running sequence: as many as the budget can run beside its blocks
+        self.max_num_seqs = sequences_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs,
+                                                 c.kv_staging_share, self.groups, draft_side)
         if draft_spec is None:
-            num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs, self.groups,
+            num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, self.max_num_seqs, self.groups,
                                                self.state_bytes)
             if num_blocks < 0:  # no attention layer: blocks cost nothing, they only key the prefix tree
-                num_blocks = 2 * c.max_num_seqs * blocks_for_tokens(self.max_model_len, c.block_size)
+                num_blocks = 2 * self.max_num_seqs * blocks_for_tokens(self.max_model_len, c.block_size)
         else:  # each block also holds the draft model's K/V of the same tokens
             num_blocks = shared_num_blocks(self.kv_spec, self.groups, draft_spec, self.format, c.block_size, budget,
-                                           c.max_num_seqs)
+                                           self.max_num_seqs)
         need = self._blocks_one_sequence(self.max_model_len)
         if num_blocks < need and c.max_model_len is None and num_blocks > 0:
             lengths = range(c.block_size, self.max_model_len + 1, c.block_size)
@@ -158,7 +171,7 @@ class LLMEngine:
             if self.state_bytes and num_blocks == 0:
                 kept = f" (after {self.checkpoint_bytes} for state checkpoints)" if self.checkpoint_bytes else ""
                 raise ConfigError(f"a KV budget of {budget} bytes{kept} does not hold the recurrent state of "
-                                  f"max_num_seqs={c.max_num_seqs} sequences ({self.state_bytes} bytes each) and one "
+                                  f"max_num_seqs={self.max_num_seqs} sequences ({self.state_bytes} bytes each) and one "
                                   "block; raise kv_cache_memory or lower max_num_seqs")
             raise ConfigError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
@@ -175,6 +188,21 @@ class LLMEngine:
         if share > budget:
             raise ConfigError(f"state_checkpoint_memory={share} is more than the KV budget of {budget} bytes")
         return share
+
+    def kv_budget_split(self) -> dict:
+        """Where the KV budget went: blocks (the draft model's K/V included), per-sequence staging (fp16 windows
+        and sinks of `kv_staging_sequences` running sequences), recurrent state slots and checkpoints, and the rest (less than one block, unallocated)."""
+        c, draft = self.config, self.draft.config.kv_cache_spec() if self.draft else None
+        per_block = self.kv.block_bytes + (bytes_per_block(draft, self.format, c.block_size) if draft else 0)
+        staging = side_bytes(self.kv_spec, self.format, c.block_size, self.max_num_seqs, self.groups)
+        staging += side_bytes(draft, self.format, c.block_size, self.max_num_seqs) if draft else 0
+        blocks = self.kv.allocator.num_blocks * per_block
+        states = self.state_bytes * self.max_num_seqs  # recurrent layers' state slots, one per running sequence
+        return {"kv_budget_bytes": self.kv_budget_bytes, "kv_block_bytes_total": blocks, "kv_staging_bytes": staging,
+                "kv_staging_sequences": self.max_num_seqs if staging else 0, "kv_state_slot_bytes": states,
+                "kv_state_checkpoint_bytes": self.checkpoint_bytes,
+                "kv_other_bytes": self.kv_budget_bytes - blocks - staging - states - self.checkpoint_bytes,
+                "max_num_seqs": self.max_num_seqs, "max_num_seqs_asked": c.max_num_seqs}
 
     def capped_note(self) -> str:
         """Why max_model_len is below the model's context, when the KV budget capped it; else empty."""
@@ -216,11 +244,43 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, text, ids, params, time.monotonic(), cache_salt)
+        if params.structured_outputs is not None:
+            self._start_grammar(seq)
         if seq.generator is None and not params.greedy:
             seq.generator = torch.Generator().manual_seed(self._request_seeds.getrandbits(62))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _start_grammar(self, seq: Sequence) -> None:
+        """The request's grammar (a 400 when it does not compile); tokens it forces before the first sampled one
+        join the prompt's prefill when the request jumps forward."""
+        if self.runner.speculator is not None:
+            raise InvalidRequestError("structured output is not supported with speculative decoding on this engine")
+        seq.grammar = RequestGrammar(seq.params.structured_outputs, self.tokenizer, self.model_config.vocab_size)
+        if seq.params.jumps_forward:
+            for token in seq.grammar.forced_tokens()[: seq.params.max_tokens - 1]:
+                seq.grammar.accept(token)
+                seq.token_ids.append(token)
+                self.generated_tokens += 1
+                self.jump_forward_tokens += 1
+
+    def _jump_forward(self, seq: Sequence, now: float) -> str | None:
+        """Append the tokens seq's grammar forces now (their K/V come in the next step as one chunk); a stop reason
+        when one of them ends the request."""
+        for token in seq.grammar.forced_tokens():
+            seq.grammar.accept(token)
+            seq.token_ids.append(token)
+            self.generated_tokens += 1
+            self.jump_forward_tokens += 1
+            reason = self._stop_reason(seq)
+            if reason:
+                return reason
+        return None
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        reason = check_stop(seq, self.tokenizer, self.length_limit, self.model_config.eos_token_ids)
+        return reason or ("stop" if seq.grammar is not None and seq.grammar.done else None)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -328,7 +388,10 @@ class LLMEngine:
         """Append seq's emitted tokens up to the first stop; returns how many it kept."""
         tokens, logprobs = result.tokens[seq.request_id], result.logprobs.get(seq.request_id)
         kept = 0
+        reason = None
         for j, token in enumerate(tokens):
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             seq.token_ids.append(token)
             kept += 1
             if logprobs is not None:
@@ -336,11 +399,14 @@ class LLMEngine:
             self.generated_tokens += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
-            reason = check_stop(seq, self.tokenizer, self.length_limit, self.model_config.eos_token_ids)
+            reason = self._stop_reason(seq)
             if reason:
-                seq.finish_reason = reason
-                seq.metrics.finished_time = now
                 break
+        if reason is None and seq.grammar is not None and seq.params.jumps_forward:
+            reason = self._jump_forward(seq, now)
+        if reason:
+            seq.finish_reason = reason
+            seq.metrics.finished_time = now
         seq.metrics.generated_tokens = seq.num_output_tokens
         return kept
 
@@ -389,6 +455,8 @@ class LLMEngine:
             "kv_cache_dtype": self.format.name,
             "kv_layout": self.config.kv_layout,
             "weight_bytes": self.weight_bytes,
+            "jump_forward_tokens": self.jump_forward_tokens,
+            **self.kv_budget_split(),
         })
         if self.runner.evictor:
             s.update(self.runner.evictor.stats())

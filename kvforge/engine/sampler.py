@@ -1,4 +1,5 @@
-"""Sampler: penalties, greedy, temperature, top-k, top-p, min-p, with per-request seeded generators.
+"""Sampler: penalties, grammar masks (engine/grammar.py), greedy, temperature, top-k, top-p, min-p, with per-request
+seeded generators.
 
 A row that cannot be sampled (NaN or +inf logits, from whatever cause) fails its own request only.
 """
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.engine.grammar import mask_logits
 from kvforge.engine.sequence import Sequence
 
 
@@ -16,11 +18,14 @@ class SamplingError(RuntimeError):
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, SamplingError]]:
     """One next token per row of logits [N, vocab] (fp32), and the rows that failed (their token is -1)."""
     logits = apply_penalties(logits, seqs)
+    logits, refused = mask_logits(logits, seqs)  # structured output: each grammar's allowed tokens only
     tokens = logits.argmax(dim=-1).tolist()
     broken = set(unusable_rows(logits))
     failed: dict[int, SamplingError] = {}
     for row, seq in enumerate(seqs):
         try:
+            if row in refused:
+                raise SamplingError(str(refused[row]))
             if row in broken:
                 raise not_finite()
             if not seq.params.greedy:

@@ -33,6 +33,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        self.grammar = None  # engine/grammar.RequestGrammar for structured output; the engine feeds it every token
         self.logprobs: list[dict] = []
         self.num_returned = 0  # generated tokens already reported by step()
 

@@ -59,6 +59,7 @@ def engine_for(loaded, num_tokens: int, block_size: int = 16, max_num_seqs: int 
     budget = pool_bytes(spec, fmt, block_size, blocks_for_tokens(cache_tokens, block_size) + 4 * max_num_seqs,
                         max_num_seqs)
     max_len = min(num_tokens + 1, loaded.config.max_position_embeddings)
+    options = {"kv_staging_share": 1.0, **options}  # the budget is sized for max_num_seqs' side buffers
     return LLMEngine(EngineConfig(kv_cache_memory=budget, block_size=block_size, max_model_len=max_len,
                                   max_num_seqs=max_num_seqs, enable_prefix_caching=False, **options), loaded)
 

@@ -16,6 +16,7 @@ from kvforge.kv.block_bytes import (
     tensor_from_columns,
 )
 from kvforge.kv.layer_format import KVFormat, LayerKV, RawKV, RawSide
+from kvforge.kv.lazy_zeros import lazy_zeros
 from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: F401  (registered on import)
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.options import json_object
@@ -24,8 +25,8 @@ from kvforge.options import json_object
 class PlainLayerKV(LayerKV):
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device):
         shape = (num_blocks, block_size, spec.num_kv_heads)
-        self.k = torch.zeros(*shape, spec.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(*shape, spec.v_head_dim, dtype=dtype, device=device) if spec.has_values else None
+        self.k = lazy_zeros(*shape, spec.head_dim, dtype=dtype, device=device)
+        self.v = lazy_zeros(*shape, spec.v_head_dim, dtype=dtype, device=device) if spec.has_values else None
 
     def write(self, slots, k, v, positions=None):
         self.k.view(-1, *self.k.shape[2:])[slots] = k.to(self.k.dtype)

@@ -51,6 +51,17 @@ def side_bytes(spec: KVCacheSpec, fmt: KVFormat, block_size: int, max_num_seqs: 
     return layer_slots(spec, groups) * fmt.side_bytes(spec, block_size, seqs) + max_num_seqs * state_bytes
 
 
+def sequences_for_budget(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget_bytes: int, max_num_seqs: int,
+                         share: float, groups: list[KVGroup] | None = None, per_sequence_extra: int = 0) -> int:
+    """How many sequences an engine runs at once under a budget: max_num_seqs, fewer (at least 1) when their side
+    buffers (fp16 windows, sinks) would take more than `share` of it, so that the blocks keep the rest.
+    `per_sequence_extra`: a draft model's side bytes per sequence."""
+    per_seq = side_bytes(spec, fmt, block_size, 1, groups) + per_sequence_extra
+    if per_seq == 0:
+        return max_num_seqs
+    return max(1, min(max_num_seqs, int(budget_bytes * share // per_seq)))
+
+
 def num_blocks_for_budget(spec: KVCacheSpec, fmt: KVFormat, block_size: int, budget_bytes: int,
                           max_num_seqs: int = 1, groups: list[KVGroup] | None = None, state_bytes: int = 0) -> int:
     """Blocks that fit a budget after the side buffers and states of max_num_seqs sequences (a model without

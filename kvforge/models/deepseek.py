@@ -12,7 +12,7 @@ from kvforge.attention import AttentionMetadata
 from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import linear
-from kvforge.models.layers import GatedMLP, RMSNorm
+from kvforge.models.layers import GatedMLP, RMSNorm, unfilled_embedding
 from kvforge.models.mla_attention import MLAAttention, MLARotary
 from kvforge.models.moe import DeepseekMoE, is_moe_layer
 
@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = unfilled_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -22,7 +22,7 @@ from kvforge.kv.pool import KVPool
 from kvforge.models.bridged import LayerNorms, bridged, forward_bridged
 from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import linear
-from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, unfilled_embedding
 from kvforge.models.llama import Attention
 from kvforge.ops.huge_pages import move_to_huge_pages
 from kvforge.ops.layers import add_rms_norm_, gelu_tanh_mul, rms_norm
@@ -103,7 +103,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = unfilled_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

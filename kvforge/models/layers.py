@@ -53,6 +53,12 @@ class GatedMLP(nn.Module):
 
 
 @torch.no_grad()
+def unfilled_embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding whose weight is left unfilled (loading assigns it): on the meta device nn.Embedding's normal_
+    init alone imports torch._dynamo, over a second of start-up."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) holding the given projections' rows in order; each projection's parameters become
     views into it, so one matmul computes them all and no weight is stored twice."""
@@ -70,7 +76,7 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))  # cpu: tiny, and meta-built models would import torch._dynamo for it
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq

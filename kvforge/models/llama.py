@@ -14,7 +14,7 @@ from kvforge.kv.pool import KVPool
 from kvforge.models.bridged import LayerNorms, bridged, forward_bridged
 from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import linear
-from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears, unfilled_embedding
 from kvforge.ops.huge_pages import move_to_huge_pages
 from kvforge.ops.layers import add_rms_norm_, rope
 
@@ -97,7 +97,7 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> torc
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = unfilled_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -113,12 +113,13 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module
     weights = {k: v for k, v in weights.items() if "rotary_emb" not in k and not _extra_layer(k, cfg)}
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    shapes = {k: t.shape for k, t in model.state_dict().items()}
+    expected = {k for k in shapes if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:
         raise ModelLoadError(f"weights do not match the {cfg.arch} architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, t in weights.items():
-        want = model.state_dict()[name].shape
+        want = shapes[name]
         if t.shape != want:
             raise ModelLoadError(f"weight {name} has shape {tuple(t.shape)}, the config implies {tuple(want)}")
     model.load_state_dict(weights, strict=False, assign=True)

@@ -190,6 +190,11 @@ class Tokenizer:
         return cls(backend, bos, _token_text(config.get("eos_token")), add_bos, template)
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The Hugging Face `tokenizers` object (grammar libraries read its JSON)."""
+        return self._tk
+
+    @property
     def vocab_size(self) -> int:
         return self._tk.get_vocab_size(with_added_tokens=True)
 

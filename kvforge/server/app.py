@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from kvforge.engine.engine import LLMEngine
 from kvforge.errors import InvalidRequestError
 from kvforge.models.recommended_sampling import recommended_sampling
-from kvforge.server import serving
+from kvforge.server import serving, structured
 from kvforge.server.echo import add_echo, echoes
 from kvforge.server.engine_loop import EngineLoop
 from kvforge.server.errors import (
@@ -138,13 +138,14 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             raise bad_request(f"{param} is empty; give at least one character or token id", param)
         return encode(text, param)
 
-    def chat_ids(messages: list[Message]) -> list[int]:
+    def chat_ids(messages: list[Message], plan: structured.OutputPlan | None = None) -> list[int]:
         if not messages:
             raise bad_request("messages must be a non-empty list of {'role': ..., 'content': ...} objects", "messages")
         if tokenizer is None:
             raise bad_request("this model has no tokenizer, so it cannot render chat messages", "messages")
         try:
-            text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
+            rendered = [structured.message_dict(m) for m in messages]
+            text = tokenizer.apply_chat_template(structured.tool_messages(rendered, plan) if plan else rendered)
         except InvalidRequestError as e:
             raise bad_request(str(e), "messages") from None
         return encode(text, "messages", add_special_tokens=False)
@@ -157,9 +158,10 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
             return items  # the engine checks token ids
         return await off_loop(lambda: [text_ids(p, "prompt") if isinstance(p, str) else p for p in items])
 
-    async def run(request: Request, req, prompts: list[list[int]], kind: str, key: str | None) -> Response:
+    async def run(request: Request, req, prompts: list[list[int]], kind: str, key: str | None,
+                  plan: structured.OutputPlan | None = None) -> Response:
         prepared = serving.prepare(req, prompts, engine, salt(key, req.cache_salt), kind, name, limits.max_tokens,
-                                   recommended.values)
+                                   recommended.values, plan)
         echo = getattr(req, "echo", False)
         prefixes = await echoes(loop, prompts, req.logprobs) if echo and req.stream else None
         group = await serving.submit(loop, prepared)
@@ -205,7 +207,8 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
         req = parse_body(await limits.read_body(request), ChatRequest)
         check_model(req.model)
         limits.check(req, 1)
-        return await run(request, req, [await off_loop(chat_ids, req.messages)], "chat", key)
+        plan = structured.plan_output(req)
+        return await run(request, req, [await off_loop(chat_ids, req.messages, plan)], "chat", key, plan)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

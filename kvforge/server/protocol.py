@@ -64,14 +64,16 @@ class ContentPart(_Body):
 
 class Message(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None  # null only to say so: refused (no tool calls here)
+    content: str | list[ContentPart] | None = None  # null only beside an assistant's tool_calls
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (server/structured.py renders them)
+    tool_call_id: str | None = None  # a tool result's call
 
     @model_validator(mode="after")
     def _content_given(self) -> Message:
-        if self.content is None:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content must be a string or a list of text parts, not null or missing (null content "
-                             "goes with tool_calls, which this server does not support)")
+                             "goes only with an assistant message's tool_calls)")
         return self
 
     def text(self) -> str:
@@ -85,9 +87,10 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    # not supported: refused with a 400 (kvforge.server.serving.refuse_unsupported), never ignored
+    # structured output and tool calls (server/structured.py); functions / function_call are refused
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a reply holds at most one call
     functions: list[dict] | None = None
     function_call: str | dict | None = None
     response_format: dict | None = None

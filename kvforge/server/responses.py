@@ -83,10 +83,14 @@ class Shaper:
             return None
         return completion_logprobs(entries, offset) if self.kind == "completion" else chat_logprobs(entries)
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: list[dict]) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: list[dict],
+               tool_calls: list[dict] | None = None) -> dict:
         lp = self._logprobs(logprobs, 0)
         if self.kind == "completion":
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        if tool_calls:
+            return {"index": index, "message": {"role": "assistant", "content": None, "tool_calls": tool_calls},
+                    "logprobs": lp, "finish_reason": "tool_calls"}
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                 "finish_reason": finish_reason}
 
@@ -95,7 +99,7 @@ class Shaper:
         return {**self._head(obj), "choices": choices, "usage": usage_}
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, logprobs: list[dict] | None = None,
-              offset: int = 0, role: bool = False) -> dict:
+              offset: int = 0, role: bool = False, tool_calls: list[dict] | None = None) -> dict:
         lp = self._logprobs(logprobs or [], offset) if logprobs else None
         if self.kind == "completion":
             choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
@@ -103,6 +107,8 @@ class Shaper:
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 

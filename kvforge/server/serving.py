@@ -15,6 +15,7 @@ from kvforge.server.engine_loop import EngineLoop, RequestGroup, Submission
 from kvforge.server.errors import APIError, bad_request, server_error
 from kvforge.server.protocol import ChatRequest, CompletionRequest
 from kvforge.server.responses import ChoiceText, Shaper, usage
+from kvforge.server.structured import OutputPlan, tool_calls
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 _PARAMS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "presence_penalty",
@@ -29,6 +30,7 @@ class Prepared:
     shaper: Shaper
     stop: list[str]
     include_usage: bool
+    plan: OutputPlan | None = None  # chat: response_format / tools (server/structured.py)
 
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -42,8 +44,10 @@ def sampling_defaults(recommended: dict) -> dict:
 
 
 def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engine, cache_salt: str | None,
-            kind: str, model: str, max_tokens_limit: int, defaults: dict | None = None) -> Prepared:
+            kind: str, model: str, max_tokens_limit: int, defaults: dict | None = None,
+            plan: OutputPlan | None = None) -> Prepared:
     refuse_unsupported(req)
+    grammar = plan.grammar if plan is not None else None
     if isinstance(req, CompletionRequest):
         max_tokens, default_max, logprobs, want_lp = req.max_tokens, 16, req.logprobs, req.logprobs is not None
     else:
@@ -74,20 +78,20 @@ def prepare(req: CompletionRequest | ChatRequest, prompts: list[list[int]], engi
             seed = None if req.seed is None else req.seed + j
             try:
                 params = SamplingParams(max_tokens=n_tokens, seed=seed, stop=req.stop, ignore_eos=req.ignore_eos,
-                                        logprobs=logprobs, **sampling)
+                                        logprobs=logprobs, structured_outputs=grammar, **sampling)
             except InvalidRequestError as e:
                 raise invalid(e) from None
             subs.append(Submission(ids, params, cache_salt))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Prepared(prompts, req.n, subs, Shaper(kind, model, want_lp), subs[0].params.stop, include_usage)
+    return Prepared(prompts, req.n, subs, Shaper(kind, model, want_lp), subs[0].params.stop, include_usage, plan)
 
 
 def refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
     """Features this server does not implement get a 400 that says so, not a plain-text 200."""
     guided = [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(req, f) is not None]
     if guided:
-        raise bad_request(f"{guided[0]} (vLLM's guided decoding) is not supported by this server; send the request "
-                          "without it", guided[0])
+        raise bad_request(f"{guided[0]} (vLLM's guided decoding) is not supported by this server; use "
+                          "response_format (json_object, json_schema) or tools", guided[0])
     if req.logit_bias:
         raise bad_request("logit_bias is not supported; send the request without it", "logit_bias")
     if isinstance(req, CompletionRequest):
@@ -96,14 +100,6 @@ def refuse_unsupported(req: CompletionRequest | ChatRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of is not supported (best_of={req.best_of}, n={req.n}); use n", "best_of")
         return
-    if req.tools or req.functions or req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
-        param = "tools" if req.tools or req.tool_choice not in (None, "none") else "functions"
-        raise bad_request("tool calling is not supported by this server; send the request without tools / "
-                          "tool_choice / functions", param)
-    kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise bad_request(f"response_format {kind!r} is not supported (no constrained decoding); only "
-                          "{'type': 'text'} is; ask for JSON in the prompt instead", "response_format")
 
 
 def invalid(e: InvalidRequestError) -> APIError:
@@ -148,7 +144,8 @@ async def collect(loop: EngineLoop, group: RequestGroup, p: Prepared,
         left = [rid for i, rid in enumerate(group.ids) if i not in finals]
         if left:
             loop.abort(left)
-    choices = [p.shaper.choice(i, o.text, o.finish_reason, o.logprobs or []) for i, o in sorted(finals.items())]
+    choices = [p.shaper.choice(i, o.text, o.finish_reason, o.logprobs or [], _calls(p, o))
+               for i, o in sorted(finals.items())]
     return p.shaper.response(choices, _usage(p, finals))
 
 
@@ -160,6 +157,7 @@ async def stream(loop: EngineLoop, group: RequestGroup, p: Prepared, tokenizer,
     try:
         texts = [ChoiceText(tokenizer, p.prompts[i // p.n], p.stop) for i in range(len(group.ids))]
         shift = [len(echoes[i // p.n].text) if echoes else 0 for i in range(len(group.ids))]
+        holding = p.plan is not None and p.plan.tool_mode is not None
         if p.shaper.kind == "chat":
             for i in range(len(group.ids)):
                 yield _sse(p.shaper.chunk(i, "", None, role=True))
@@ -169,6 +167,11 @@ async def stream(loop: EngineLoop, group: RequestGroup, p: Prepared, tokenizer,
             for index, item in await group.mailbox.get():
                 if isinstance(item, Exception):
                     raise item
+                if holding:  # a tool call or an answer: known only once the reply is whole
+                    if item.finished:
+                        finals[index] = item
+                        yield from_final(p, index, item)
+                    continue
                 t = texts[index]
                 offset = shift[index] + len(t.sent)
                 delta = t.delta(item.new_token_ids, item.finished, item.text)
@@ -187,6 +190,18 @@ async def stream(loop: EngineLoop, group: RequestGroup, p: Prepared, tokenizer,
         left = [rid for i, rid in enumerate(group.ids) if i not in finals]
         if left:
             loop.abort(left)
+
+
+def _calls(p: Prepared, o: RequestOutput) -> list[dict] | None:
+    return tool_calls(o.text, p.plan) if p.plan is not None and o.finish_reason != "error" else None
+
+
+def from_final(p: Prepared, index: int, o: RequestOutput) -> str:
+    """The chunk of a held reply: its tool calls, or its whole text."""
+    calls = _calls(p, o)
+    if calls:
+        return _sse(p.shaper.chunk(index, None, "tool_calls", tool_calls=calls))
+    return _sse(p.shaper.chunk(index, o.text, o.finish_reason))
 
 
 def echo_chunk(shaper: Shaper, index: int, echo: Echo, finish_reason: str | None = None) -> dict:

@@ -43,6 +43,8 @@ def test_startup_log_names_model_pool_format_and_max_model_len(smol_loaded):
     assert "http://127.0.0.1:8000/v1" in text
     assert "chat template: the model's own; requests without sampling fields get temperature 0.2, top_p 0.9 (the " \
            "SmolLM2-135M-Instruct model card" in text
+    assert "KV budget 32.0 MiB: blocks " in text and "structured output (response_format json_object / json_schema, " \
+           "tools): on, llguidance " in text
 
 
 @pytest.mark.parametrize("options, message", [

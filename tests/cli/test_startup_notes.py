@@ -12,8 +12,9 @@ from kvforge.cli.startup import template_note
 def test_a_budget_that_caps_max_model_len_says_so(smol_loaded, capsys):
     rc = main(["generate", "word " * 400, "--raw", "--kv-memory", "16MiB", "--max-tokens", "2"])
     err = capsys.readouterr().err
-    _, start, error = [line for line in err.splitlines() if line.strip()]
+    _, start, budget, error = [line for line in err.splitlines() if line.strip()]
     assert rc == 2
+    assert budget.startswith("[kv cache] KV budget 16.0 MiB: blocks 15.") and "other" in budget
     assert "max_model_len 352 (capped from the model's context of 8,192 tokens so that one sequence fits the KV " \
            "budget of 16 MiB; raise kv_cache_memory (--kv-memory)" in start
     assert error.startswith("kvforge: error: prompt has 401 tokens; max_model_len is 352 (capped from the model's")

@@ -17,7 +17,8 @@ FORMATS = [("int8", {}), ("fp8_e4m3", {"window": 0}), ("int4", {"group_size": 16
 
 def engine(loaded, fmt, opts, caching, blocks=None):
     kw = {"block_size": 8, "max_model_len": 64, "max_num_batched_tokens": 32, "kv_cache_dtype": fmt,
-          "kv_cache_options": opts, "enable_prefix_caching": caching, "kv_cache_memory": 1 << 22}
+          "kv_cache_options": opts, "enable_prefix_caching": caching, "kv_cache_memory": 1 << 22,
+          "kv_staging_share": 1.0}  # the tight pool's sinks for 64 sequences outweigh its 24 blocks
     e = LLMEngine(EngineConfig(**kw), loaded)
     if blocks is None:
         return e

@@ -88,8 +88,8 @@ def test_draft_kv_shares_the_one_budget(tiny_loaded, other_draft_dir):
     pool, draft_pool = e.kv.pool, e.runner.speculator.drafter.pool
     target_spec, d_spec, bs, n = e.kv_spec, e.draft.config.kv_cache_spec(), 8, e.kv.num_blocks
     per_block = bytes_per_block(target_spec, e.format, bs) + bytes_per_block(d_spec, e.format, bs)
-    sides = side_bytes(target_spec, e.format, bs, e.config.max_num_seqs) + side_bytes(d_spec, e.format, bs,
-                                                                                      e.config.max_num_seqs)
+    seqs = e.max_num_seqs  # the sequences both pools stage for: max_num_seqs, fewer where the budget runs fewer
+    sides = side_bytes(target_spec, e.format, bs, seqs) + side_bytes(d_spec, e.format, bs, seqs)
     assert draft_pool.num_blocks == n
     assert pool.allocated_bytes() + draft_pool.allocated_bytes() == n * per_block + sides <= budget
     assert budget - (n * per_block + sides) < per_block  # one more block would not fit

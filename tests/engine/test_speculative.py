@@ -20,7 +20,7 @@ FORMATS = [("fp32", {}), ("fp16", {}), ("int8", {}), ("fp8_e4m3", {}), ("int4", 
 
 def make(loaded, spec, blocks=None, **kw):
     options = {"block_size": 8, "max_model_len": 128, "max_num_batched_tokens": 64, "kv_cache_memory": 1 << 22,
-               "speculative": spec, **kw}
+               "speculative": spec, "kv_staging_share": 1.0, **kw}  # `blocks`: exactly that many
     e = LLMEngine(EngineConfig(**options), loaded)
     if blocks is not None:
         options["kv_cache_memory"] = pool_bytes(e.kv_spec, e.format, 8, blocks, e.config.max_num_seqs)

@@ -20,7 +20,7 @@ def engine(loaded, blocks, fmt="fp32", opts=None, **kw):
     memory = pool_bytes(spec, get_format(fmt, **(opts or {})), 4, blocks, 64)
     kw.setdefault("enable_prefix_caching", False)
     cfg = EngineConfig(kv_cache_memory=memory, block_size=4, max_model_len=64, max_num_seqs=64, max_num_batched_tokens=64,
-                       kv_cache_dtype=fmt, kv_cache_options=opts, **kw)
+                       kv_cache_dtype=fmt, kv_cache_options=opts, kv_staging_share=1.0, **kw)
     return LLMEngine(cfg, loaded)
 
 
@@ -32,8 +32,8 @@ def run(e):
     return [done[i].token_ids for i in ids]
 
 
-# max_num_seqs=64 gives kivi2 more staging entries than blocks in use, so no run flushes any and the
-# staged rows themselves must survive the swap
+# max_num_seqs=64 (kv_staging_share=1.0: staging for all 64 however small the pool) gives kivi2 more staging
+# entries than blocks in use, so no run flushes any and the staged rows themselves must survive the swap
 CASES = [("fp32", None, {}), ("kivi2", {"group_size": 16, "window": 8, "sinks": 2}, {}),
          ("fp32", None, {"kv_policy": "window", "kv_policy_options": {"budget": 24, "slack": 5}})]
 

@@ -1,5 +1,5 @@
 """Features as OpenAI clients and evaluation harnesses use them: penalties, echo with prompt logprobs,
-unsupported tools / response_format refused with a 400 (never ignored)."""
+unsupported features (functions, other response_format types, guided_*) refused with a 400 (never ignored)."""
 from __future__ import annotations
 
 import math
@@ -64,15 +64,15 @@ def test_streamed_echo_equals_the_whole_response(client, model_name, max_tokens)
 
 
 @pytest.mark.parametrize("extra", [
-    {"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]},
-    {"response_format": {"type": "json_object"}},
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+    {"functions": [{"name": "get_weather", "parameters": {"type": "object"}}]},
+    {"response_format": {"type": "grammar"}},
+    {"extra_body": {"guided_json": {"type": "object"}}},
 ])
 def test_unsupported_chat_features_are_refused_not_ignored(client, model_name, extra):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                        **extra)
-    assert "not supported" in e.value.message
+    assert "not supported" in e.value.message  # (json_object, json_schema and tools: test_structured_output.py)
     ok = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                         response_format={"type": "text"})
     assert ok.choices[0].finish_reason in ("stop", "length")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.kv.layer_format import LayerKV, RawKV
+from kvforge.kv.lazy_zeros import lazy_zeros
 from kvforge.kv.quant.block_io import QuantBlockIO
 from kvforge.kv.quant.codec import Codec
 from kvforge.kv.quant.overlay import overlay_exact
@@ -38,14 +39,14 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
         self.codecs = codecs
         dims = (spec.head_dim, spec.v_head_dim)
         self.shapes = [(spec.num_kv_heads, d) for d in dims if d > 0]
-        self.parts = [[torch.zeros(num_blocks, *shape, dtype=dtype, device=device)
+        self.parts = [[lazy_zeros(num_blocks, *shape, dtype=dtype, device=device)
                        for shape, dtype in c.layout(block_size, *hd)] for c, hd in zip(codecs, self.shapes)]
         self.stage = SideTable(num_blocks, stage_entries, device) if stage_entries else None
-        self.stage_rows = [torch.zeros(stage_entries, block_size, *hd, dtype=EXACT_DTYPE, device=device)
+        self.stage_rows = [lazy_zeros(stage_entries, block_size, *hd, dtype=EXACT_DTYPE, device=device)
                            for hd in self.shapes] if stage_entries else []
         self.stage_full = torch.zeros(stage_entries, dtype=torch.bool, device=device) if stage_entries else None
         self.sink = SideTable(num_blocks, sink_entries, device) if sinks else None
-        self.sink_rows = [torch.zeros(sink_entries, sinks, *hd, dtype=EXACT_DTYPE, device=device)
+        self.sink_rows = [lazy_zeros(sink_entries, sinks, *hd, dtype=EXACT_DTYPE, device=device)
                           for hd in self.shapes] if sinks else []
         self.direct = self.stage is None and all(c.per_token for c in codecs if c is not None)
         self.may_stage: torch.Tensor | None = None  # bool per block, shared with the pool; None: every block may

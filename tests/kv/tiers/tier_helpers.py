@@ -23,6 +23,7 @@ def engine(loaded, blocks: int = 8, tiers=None, fmt: str = "fp32", opts=None, **
                "kv_cache_options": opts, "kv_cache_memory": 1 << 22, **kw}
     fmt_obj = get_format(fmt, **(opts or {}))
     options["kv_cache_memory"] = pool_bytes(loaded.config.kv_cache_spec(), fmt_obj, BS, blocks, EngineConfig.max_num_seqs)
+    options.setdefault("kv_staging_share", 1.0)  # a pool of exactly `blocks` beside max_num_seqs' side buffers
     return LLMEngine(EngineConfig(kv_tiers=tiers, **options), loaded)
 
 
