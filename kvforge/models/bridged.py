@@ -14,6 +14,7 @@ from torch import nn
 from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
 from kvforge.models.int8_weights import INT8, is_quantized
+from kvforge.models.quant_weights import holds_blocks
 from kvforge.ops.int8 import compiled_for
 from kvforge.ops.layer_bridge import BRIDGE_ROWS, WIDE_ROWS, layer_bridge, serves
 from kvforge.ops.panels import PANEL, panels
@@ -55,7 +56,7 @@ def _weights(model: nn.Module) -> BridgeWeights | None:
 need an MLP width divisible by 4)."""
     if model not in _WEIGHTS:
         layers, cfg = model.model.layers, model.config
-        plain = not cfg.qk_norm and cfg.intermediate_size % 4 == 0 and all(
+        plain = not cfg.qk_norm and cfg.intermediate_size % 4 == 0 and not holds_blocks(model) and all(
             layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
             and layer.self_attn.softcap is None for layer in layers)
         _WEIGHTS[model] = BridgeWeights(

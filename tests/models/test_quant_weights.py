@@ -1,0 +1,66 @@
+"""weights="auto" on a GGUF file (models/quant_weights.py): block-quantized tensors stay as the file's block bytes,
+with no fp32 copy, and the model computes from them: same state dict as the fp32 load, embeddings looked up
+exactly, logits close to the fp32-dequantized model's (activations rounded to int8 per 32 values for a few rows)."""
+import numpy as np
+import pytest
+import torch
+
+from kvforge import LLM, EngineConfig
+from kvforge.engine.engine import LLMEngine
+from kvforge.models.gguf_loader import _open, read_gguf_header
+from kvforge.models.loader import load_model
+from kvforge.models.quant_weights import QBlockEmbedding, block_weights, blocks_of, holds_blocks
+from kvforge.models.weight_store import prepare_weights, resident_bytes
+from kvforge.ops.qblocks import BLOCK_TYPES
+from kvforge.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def smol_blocks(smol_path):
+    return load_model(smol_path, weights="auto")
+
+
+def test_block_tensors_are_held_as_the_files_bytes_and_nothing_else(smol_path, smol_blocks):
+    _, table = read_gguf_header(smol_path, _open(smol_path))
+    kept = {int(t) for t in BLOCK_TYPES}
+    file_bytes = sum(t.nbytes for t in table)
+    expected = sum(t.nbytes if int(t.qtype) in kept else 4 * int(np.prod(t.shape)) for t in table)
+    model = smol_blocks.model
+    assert holds_blocks(model) and isinstance(model.model.embed_tokens, QBlockEmbedding)
+    assert blocks_of(model.lm_head.weight) is blocks_of(model.model.embed_tokens.weight)  # the tied head
+    prepare_weights(model)  # the engine's layouts: no panel or fp32 copy of a block weight
+    assert resident_bytes(model) == expected + model.rotary.inv_freq.nbytes
+    assert resident_bytes(model) <= 1.1 * file_bytes
+    fused = model.model.layers[0].self_attn
+    assert blocks_of(fused.q_proj.weight).data.untyped_storage().data_ptr() == \
+        blocks_of(fused.qkv_weight).data.untyped_storage().data_ptr()  # q/k/v views of one fused block tensor
+    assert len(block_weights(model)) > 0
+
+
+def test_state_dict_and_embeddings_equal_the_fp32_load(smol_blocks, smol_loaded):
+    ours, fp32 = smol_blocks.model.state_dict(), smol_loaded.model.state_dict()
+    assert ours.keys() == fp32.keys()
+    assert all(torch.equal(ours[k], fp32[k]) for k in fp32)
+    ids = torch.tensor([0, 17, 49151, 17])
+    assert torch.equal(smol_blocks.model.model.embed_tokens(ids), smol_loaded.model.model.embed_tokens(ids))
+
+
+def test_logits_close_to_fp32_and_greedy_tokens_mostly_agree(smol_blocks, smol_loaded):
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    outs = {}
+    for name, loaded, weights in (("auto", smol_blocks, "auto"), ("fp32", smol_loaded, "fp32")):
+        engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", weights=weights), loaded)
+        assert engine.weights_mode == ("auto:gguf_blocks" if weights == "auto" else "fp32")
+        outs[name] = [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
+    first = [a[:4] == b[:4] for a, b in zip(outs["auto"], outs["fp32"])]
+    assert all(first), outs  # integer dot products may change a later greedy token, not the first ones
+
+
+def test_prefill_rows_compute_from_blocks_close_to_fp32(smol_blocks, smol_loaded):
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(0))
+    ours = smol_blocks.model.compute_logits(x)
+    fp32 = smol_loaded.model.compute_logits(x)
+    assert ((ours - fp32).norm() / fp32.norm()).item() < 1e-5  # 40 rows: fp32 activations on dequantized tiles
+    one = smol_blocks.model.compute_logits(x[:1])
+    assert ((one - fp32[:1]).norm() / fp32[:1].norm()).item() < 0.02  # one row: int8 activations
