@@ -79,6 +79,22 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise ModelLoadError(f"{self.path}: corrupt GGUF: {what} at byte {start} is not UTF-8") from e
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` strings in a row (a vocabulary, merges): string() without a call per bound check."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        try:
+            for _ in range(count):
+                n = struct.unpack_from("<Q", buf, pos)[0] if pos + 8 <= size else -1
+                if n < 0 or pos + 8 + n > size:
+                    self.pos = pos
+                    self.string(what)  # raises with the offending offsets
+                out.append(buf[pos + 8:pos + 8 + n].decode("utf-8"))
+                pos += 8 + n
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{self.path}: corrupt GGUF: {what} at byte {pos + 8} is not UTF-8") from e
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALAR:
             return self.scalar(vtype, what)
@@ -92,6 +108,8 @@ class _Cursor:
                 return np.frombuffer(self.buf, np.dtype(_SCALAR[etype]), count, start).tolist()
             if count > self.size - self.pos:
                 self.take(count, what)  # raises: not even a byte per element is left
+            if etype == _STRING:
+                return self.strings(count, what)
             return [self.value(etype, what) for _ in range(count)]
         raise ModelLoadError(f"{self.path}: corrupt GGUF: {what} has unknown value type {vtype} (expected 0..12)")
 
@@ -301,6 +319,22 @@ def load_gguf_blocks(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[st
     bytes, not dequantized: those come back as QuantBlocks (rows in Hugging Face order), with meta placeholders of
     their fp32 shapes among the weights."""
     return _guarded(os.fspath(path), True)
+
+
+def block_table(path: str | os.PathLike[str]) -> dict[str, QuantBlocks]:
+    """The tensors load_gguf_blocks would keep in blocks, from the header alone: QuantBlocks on the meta device
+    (their byte shapes, no data), by Hugging Face name."""
+    path = os.fspath(path)
+    meta, table = read_gguf_header(path, _open(path))
+    arch = meta.get("general.architecture")
+    out = {}
+    for t in table:
+        hf = _hf_name(t.name, arch)
+        if hf is not None and keeps_blocks(int(t.qtype), t.shape):
+            block, type_size = GGML_QUANT_SIZES[t.qtype]
+            data = torch.empty(t.shape[0], t.shape[1] // block * type_size, dtype=torch.uint8, device="meta")
+            out[hf] = QuantBlocks(int(t.qtype), data)
+    return out
 
 
 def _guarded(path: str, keep_blocks: bool):

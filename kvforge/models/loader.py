@@ -104,8 +104,9 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], blocks: dict
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:
         raise ModelLoadError(f"weights do not match the {cfg.arch} architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    shapes = {k: v.shape for k, v in model.state_dict().items()}  # once: a state dict walks every module
     for name, t in weights.items():
-        want = model.state_dict()[name].shape
+        want = shapes[name]
         if t.shape != want:
             raise ModelLoadError(f"weight {name} has shape {tuple(t.shape)}, the config implies {tuple(want)}")
     model.load_state_dict(weights, strict=False, assign=True)

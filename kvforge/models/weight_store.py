@@ -25,7 +25,7 @@ from torch import nn
 from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import INT8, RELEASED, int8_panels, quantize_model, quantized_weights
 from kvforge.models.int8_weights import PANELS as INT8_PANELS
-from kvforge.models.quant_weights import blocks_of
+from kvforge.models.quant_weights import adopt_block_modules, attach_blocks, blocks_of
 from kvforge.ops.packed_weights import ATTRIBUTE as ONEDNN
 from kvforge.ops.panels import ATTRIBUTE as PANELS
 from kvforge.ops.panels import panels
@@ -92,15 +92,24 @@ def resident_bytes(model: nn.Module) -> int:
     return sum(storages.values())
 
 
-def planned_bytes(cfg: ModelConfig, weights: str = "fp32") -> int:
-    """The bytes an engine with these weights (`fp32` or `int8`) would hold for this model, from its config alone:
-    the model built on the meta device, the same rules applied, its storages counted."""
+def planned_bytes(cfg: ModelConfig, weights: str = "fp32", gguf_path: str | None = None) -> int:
+    """The bytes an engine with these weights (`auto`, `fp32` or `int8`) would hold for this model, from its config
+    (and for `auto`, a GGUF file's tensor table): the model built on the meta device, the same rules applied, its
+    storages counted. `auto` without a GGUF file holds fp32 weights."""
     from kvforge.models.loader import model_class
 
+    blocks = {}
+    if weights == "auto" and gguf_path is not None:
+        from kvforge.models.gguf_loader import block_table
+
+        blocks = block_table(gguf_path)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
+        if blocks:
+            attach_blocks(model, blocks)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
+        adopt_block_modules(model)
         model.init_buffers()
         model.eval()
         if weights == "int8":

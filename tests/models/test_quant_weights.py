@@ -10,7 +10,7 @@ from kvforge.engine.engine import LLMEngine
 from kvforge.models.gguf_loader import _open, read_gguf_header
 from kvforge.models.loader import load_model
 from kvforge.models.quant_weights import QBlockEmbedding, block_weights, blocks_of, holds_blocks
-from kvforge.models.weight_store import prepare_weights, resident_bytes
+from kvforge.models.weight_store import planned_bytes, prepare_weights, resident_bytes
 from kvforge.ops.qblocks import BLOCK_TYPES
 from kvforge.sampling_params import SamplingParams
 
@@ -45,13 +45,14 @@ def test_state_dict_and_embeddings_equal_the_fp32_load(smol_blocks, smol_loaded)
     assert torch.equal(smol_blocks.model.model.embed_tokens(ids), smol_loaded.model.model.embed_tokens(ids))
 
 
-def test_logits_close_to_fp32_and_greedy_tokens_mostly_agree(smol_blocks, smol_loaded):
+def test_logits_close_to_fp32_and_greedy_tokens_mostly_agree(smol_path, smol_blocks, smol_loaded):
     params = SamplingParams(temperature=0.0, max_tokens=16)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     outs = {}
     for name, loaded, weights in (("auto", smol_blocks, "auto"), ("fp32", smol_loaded, "fp32")):
         engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", weights=weights), loaded)
         assert engine.weights_mode == ("auto:gguf_blocks" if weights == "auto" else "fp32")
+        assert engine.weight_bytes == planned_bytes(loaded.config, weights, smol_path)  # kvforge memory's count
         outs[name] = [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
     first = [a[:4] == b[:4] for a, b in zip(outs["auto"], outs["fp32"])]
     assert all(first), outs  # integer dot products may change a later greedy token, not the first ones

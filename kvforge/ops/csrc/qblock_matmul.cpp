@@ -61,15 +61,18 @@ inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-inline __m512 pair(float a, float b) { return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1); }
-
 // The 64 unsigned codes of blocks a (bytes 0..31) and b (32..63; zeros when b is null), with their scales (and
 // offsets m) as lanes 0..7 for a and 8..15 for b.
 template <int64_t T>
 inline __m512i codes(const uint8_t* a, const uint8_t* b, __m512& d, __m512& m) {
   using Tr = Traits<T>;
-  d = pair(half_at(a), b ? half_at(b) : 0.0f);
-  if (Tr::has_min) m = pair(half_at(a + 2), b ? half_at(b + 2) : 0.0f);
+  uint32_t head_a, head_b = 0;  // d (and m) of each block: fp16 at bytes 0 (and 2)
+  std::memcpy(&head_a, a, 4);
+  if (b) std::memcpy(&head_b, b, 4);
+  const __m512 heads = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(head_b),
+                                                                          static_cast<int>(head_a))));
+  d = _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0), heads);
+  if (Tr::has_min) m = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1), heads);
   if (T == kQ8_0) {
     const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + Tr::codes_at));
     const __m256i qb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + Tr::codes_at)) : _mm256_setzero_si256();
