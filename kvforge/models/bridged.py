@@ -14,7 +14,7 @@ from torch import nn
 from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
 from kvforge.models.int8_weights import INT8, is_quantized
-from kvforge.models.quant_weights import holds_blocks
+from kvforge.models.quant_weights import blocks_of, holds_blocks
 from kvforge.ops.int8 import compiled_for
 from kvforge.ops.layer_bridge import BRIDGE_ROWS, WIDE_ROWS, layer_bridge, serves
 from kvforge.ops.panels import PANEL, panels
@@ -25,7 +25,7 @@ class BridgeWeights:
     pre: list[list[torch.Tensor]]  # per layer: [input norm, qkv weight, its int8 scale, qkv bias]
     post: list[list[torch.Tensor]]  # per layer: [o weight, scale, bias, post-attention norm, gate_up w, s, down w, s]
     final: list[torch.Tensor]  # [final norm]
-    int8: bool  # int8 weights (they need the compiled int8 kernel)
+    int8: bool  # int8 or GGUF block weights (they need the compiled VNNI kernels, and stay at BRIDGE_ROWS rows)
     scale: float  # attention's softmax scale
 
 
@@ -34,7 +34,11 @@ _WIDE: weakref.WeakKeyDictionary[nn.Module, BridgeWeights | None] = weakref.Weak
 
 
 def _parts(weight: torch.Tensor) -> list[torch.Tensor]:
-    """[weight, scale] in the operator's form: the int8 packed weight and its scales, or the fp32 weight, no scale."""
+    """[weight, scale] in the operator's form: the int8 packed weight and its scales, GGUF blocks and their ggml type
+    (models/quant_weights.py), or the fp32 weight, no scale."""
+    blocks = blocks_of(weight)
+    if blocks is not None:
+        return [blocks.data, torch.tensor([blocks.qtype], device=blocks.data.device)]
     q = getattr(weight, INT8, None)
     return [weight, _none(weight)] if q is None else [q[0], q[1]]
 
@@ -47,7 +51,8 @@ def _none(like: torch.Tensor) -> torch.Tensor:
     """The operator's empty tensor for no scale or bias, on the weights' device (a tensor made at import could land
     on the meta device the loader builds models on, and send every call to the torch reference; an int8 weight's
     released fp32 original is on the meta device, its int8 form is not)."""
-    return torch.empty(0, device=getattr(like, INT8, (like,))[0].device)
+    blocks = blocks_of(like)
+    return torch.empty(0, device=blocks.data.device if blocks is not None else getattr(like, INT8, (like,))[0].device)
 
 
 def _weights(model: nn.Module) -> BridgeWeights | None:
@@ -56,7 +61,7 @@ def _weights(model: nn.Module) -> BridgeWeights | None:
 need an MLP width divisible by 4)."""
     if model not in _WEIGHTS:
         layers, cfg = model.model.layers, model.config
-        plain = not cfg.qk_norm and cfg.intermediate_size % 4 == 0 and not holds_blocks(model) and all(
+        plain = not cfg.qk_norm and cfg.intermediate_size % 4 == 0 and all(
             layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
             and layer.self_attn.softcap is None for layer in layers)
         _WEIGHTS[model] = BridgeWeights(
@@ -65,7 +70,7 @@ need an MLP width divisible by 4)."""
             post=[[*_parts(layer.self_attn.o_proj.weight), _bias(layer.self_attn.o_proj.bias, layer.self_attn.o_proj.weight),
                    layer.post_attention_layernorm.weight, *_parts(layer.mlp.gate_up_weight),
                    *_parts(layer.mlp.down_proj.weight)] for layer in layers],
-            final=[model.model.norm.weight], int8=is_quantized(model),
+            final=[model.model.norm.weight], int8=is_quantized(model) or holds_blocks(model),
             scale=layers[0].self_attn.scale) if plain else None
     return _WEIGHTS[model]
 

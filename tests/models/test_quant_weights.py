@@ -53,6 +53,7 @@ def test_logits_close_to_fp32_and_greedy_tokens_mostly_agree(smol_path, smol_blo
         engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", weights=weights), loaded)
         assert engine.weights_mode == ("auto:gguf_blocks" if weights == "auto" else "fp32")
         assert engine.weight_bytes == planned_bytes(loaded.config, weights, smol_path)  # kvforge memory's count
+        assert engine._model_key().weights_mode == engine.weights_mode  # tiers never mix the two
         outs[name] = [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
     first = [a[:4] == b[:4] for a, b in zip(outs["auto"], outs["fp32"])]
     assert all(first), outs  # integer dot products may change a later greedy token, not the first ones
@@ -65,3 +66,33 @@ def test_prefill_rows_compute_from_blocks_close_to_fp32(smol_blocks, smol_loaded
     assert ((ours - fp32).norm() / fp32.norm()).item() < 1e-5  # 40 rows: fp32 activations on dequantized tiles
     one = smol_blocks.model.compute_logits(x[:1])
     assert ((one - fp32[:1]).norm() / fp32[:1].norm()).item() < 0.02  # one row: int8 activations
+
+
+def test_decode_of_block_weights_runs_through_the_bridge_with_the_per_op_tokens(smol_blocks, monkeypatch):
+    from kvforge.models import bridged
+    from kvforge.models.llama import LlamaForCausalLM
+    from kvforge.ops.int8 import compiled_for
+
+    if not compiled_for(torch.zeros(1, 8)):
+        pytest.skip("no VNNI kernels on this machine")
+    calls = []
+    real = bridged.layer_bridge
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(bridged, "layer_bridge", spy)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = ["The capital of France is", "Write a haiku about the sea."]
+
+    def tokens():
+        engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", weights="auto"), smol_blocks)
+        return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
+
+    on = tokens()
+    assert calls and all(args[4] == [] or args[4][0].dtype == torch.uint8 for args in calls)  # o_proj as blocks
+    monkeypatch.setattr(LlamaForCausalLM, "use_bridge", False)
+    calls.clear()
+    off = tokens()
+    assert not calls and on == off

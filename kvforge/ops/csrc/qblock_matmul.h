@@ -16,12 +16,13 @@ enum QBlockType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 
 bool is_qblock_type(int64_t qtype);
 int64_t qblock_bytes(int64_t qtype);  // bytes of one block of 32 weights
 
-#if KVFORGE_INT8_VNNI
+// Rows of x in the kernels' form: int8_matmul.h's, plus per lane its block scale * its integer sum of x.
 struct BlockRows {
   QuantizedRows xq;
-  std::vector<float> sx;  // [M, chunks * 16]: the lane's block scale * the lane's integer sum of x (the `_1` types)
+  std::vector<float> sx;  // [M, chunks * 16], for the `_1` types' offsets m
 };
 
+#if KVFORGE_INT8_VNNI
 BlockRows quantize_block_rows(const float* x, int64_t M, int64_t K);
 // y[m * stride + n] for weight rows n in [n0, n1) of blocks (row-major block bytes of a [N, K] weight).
 void qblock_rows(const BlockRows& xr, const uint8_t* blocks, int64_t qtype, float* y, int64_t stride, int64_t M,
