@@ -45,7 +45,7 @@ class EngineConfig:
     # "auto": as stored (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensors stay in their blocks, computed in place; other
     # tensors and fp32 checkpoints fp32); "fp32": every tensor dequantized at load; "int8": weight-only int8 linear
     # layers (per-output-channel scales), fp32 activations
-    weights: str = "fp32"
+    weights: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.kv_cache_memory, str):
