@@ -116,7 +116,8 @@ def _ratios(ours: dict, theirs: dict, npl: list[int], key: str) -> dict:
 
 def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] = (1, 8, 32),
                     threads: int | None = None, seed: int = 0, kvforge_only: bool = False,
-                    llama_gguf: str | None = None, rounds: int = 3, weights: str = "fp32") -> dict:
+                    llama_gguf: str | None = None, rounds: int = 3, weights: str = "fp32",
+                    llama_extra_bufts: bool = True) -> dict:
     """Both engines on the same shapes and weights; `ratio.*` = kvforge tok/s / llama.cpp tok/s (wall clock);
     at one thread `ratio_cpu.*` is the same per second of the computing thread's CPU time, which other
     processes on a shared machine inflate far less than wall time."""
@@ -135,7 +136,7 @@ def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] 
         from kvforge.bench.llama_cpp_runner import LlamaCppRunner
 
         path = llama_gguf or str(write_f32_gguf(loaded.path))
-        runners["llama_cpp"] = LlamaCppRunner(path, threads)
+        runners["llama_cpp"] = LlamaCppRunner(path, threads, llama_extra_bufts)
     try:
         rows = measure(runners, npp, ntg, npl, rounds, loaded.config.vocab_size, seed)
     finally:

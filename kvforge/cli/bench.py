@@ -118,6 +118,8 @@ def register(sub) -> None:
     ll.add_argument("--gguf", default=None, metavar="FILE",
                     help="both engines on this GGUF as shipped (llama.cpp reads it as is, kvforge with --weights, "
                          "default auto: its block tensors computed in place); replaces --model and --llama-gguf")
+    ll.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its repacked weight buffers (AMX, CPU repack), for builds that crash with them")
     ll.add_argument("--weights", default=None, choices=["auto", "fp32", "int8"],
                     help="kvforge's weights (default: fp32, or auto with --gguf)")
     _output_options(ll, model=True)
@@ -318,7 +320,7 @@ def run_llama_cpp(args) -> int:
     model, llama_gguf = (args.gguf, args.gguf) if args.gguf else (args.model, args.llama_gguf)
     weights = args.weights or ("auto" if args.gguf else "fp32")
     r = llama_cpp_bench(load_model(model, weights=weights), args.npp, args.ntg, tuple(args.npl), args.threads,
-                        args.seed, args.kvforge_only, llama_gguf, args.rounds, weights)
+                        args.seed, args.kvforge_only, llama_gguf, args.rounds, weights, not args.llama_no_extra_bufts)
     rows = [("threads", r["threads"])]
     for side in ("kvforge", "llama_cpp"):
         if side in r:

@@ -127,6 +127,11 @@ def block_weights(model: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
+def block_data(model: nn.Module) -> list[torch.Tensor]:
+    """The block bytes of every weight held in blocks (fused ones and their parts' views)."""
+    return [blocks_of(t).data for t in block_weights(model)]
+
+
 def dequantized_state(module: nn.Module, state: dict, prefix: str, _metadata) -> None:
     """state_dict hook: each weight held in blocks as the fp32 values it computes with."""
     for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
