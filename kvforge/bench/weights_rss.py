@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import time
 
 import torch
 
@@ -26,7 +27,9 @@ def measure(model: str | None, weights: str, prompt_tokens: int, kv_cache_memory
 
     out = {"weights": weights, "prompt_tokens": prompt_tokens, "kv_cache_memory": kv_cache_memory,
            "rss_mib": {"start": rss_mib()}}
+    clock = time.perf_counter()
     loaded = load_model(model, weights=weights)
+    out["load_s"] = time.perf_counter() - clock  # the file in the page cache after its first read
     out["rss_mib"]["after_load"] = rss_mib()
     engine = LLMEngine(EngineConfig(model=model, kv_cache_memory=kv_cache_memory, weights=weights), loaded)
     del loaded  # the engine's own reference only: an int8 engine's fp32 originals may now go
