@@ -11,7 +11,7 @@ from kvforge.units import parse_size
 
 KV_LAYOUTS = ("paged", "contiguous")
 PREEMPTION_MODES = (None, "recompute", "swap")
-WEIGHT_KINDS = ("auto", "fp32", "int8")
+WEIGHT_KINDS = ("auto", "fp32", "int8", "q8_0")
 
 
 @dataclass
@@ -44,7 +44,8 @@ class EngineConfig:
     kv_tier_fsync: bool = True  # disk tier: fsync each block file before its rename, and the directory after
     # "auto": as stored (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensors stay in their blocks, computed in place; other
     # tensors and fp32 checkpoints fp32); "fp32": every tensor dequantized at load; "int8": weight-only int8 linear
-    # layers (per-output-channel scales), fp32 activations
+    # layers (per-output-channel scales), fp32 activations; "q8_0": an fp32 model's linear weights and embedding
+    # quantized at load into GGUF Q8_0 blocks, computed in place as "auto" computes a Q8_0 file
     weights: str = "auto"
 
     def __post_init__(self):

@@ -31,6 +31,7 @@ from kvforge.models.bridged import prepare_bridge
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.models.quant_weights import holds_blocks
+from kvforge.models.requantize import q8_0_loaded
 from kvforge.models.weight_store import prepare_weights, resident_bytes
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
@@ -55,6 +56,8 @@ class LLMEngine:
             "fp32" if config.weights == "auto" else config.weights)
         if config.weights == "int8":
             self.loaded = int8_loaded(self.loaded)  # its own module tree with int8 linear weights
+        elif config.weights == "q8_0":
+            self.loaded = q8_0_loaded(self.loaded)  # its own module tree with Q8_0 block weights
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.kv_spec = cfg.kv_cache_spec()

@@ -96,3 +96,27 @@ def test_decode_of_block_weights_runs_through_the_bridge_with_the_per_op_tokens(
     calls.clear()
     off = tokens()
     assert not calls and on == off
+
+
+def test_q8_0_at_load_writes_ggufs_bytes_and_computes_close_to_fp32(tiny_loaded):
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    from kvforge.models.requantize import q8_0_blocks, q8_0_loaded
+
+    w = torch.randn(6, 96, generator=torch.Generator().manual_seed(0))
+    w[0, :32] = 0.0
+    assert np.array_equal(q8_0_blocks(w).numpy(), quantize(w.numpy(), Q.Q8_0))
+    q8 = q8_0_loaded(tiny_loaded)
+    assert holds_blocks(q8.model) and not holds_blocks(tiny_loaded.model)  # a copy: the fp32 model is unchanged
+    layer = q8.model.model.layers[0]
+    assert blocks_of(layer.self_attn.q_proj.weight).data.untyped_storage().data_ptr() == \
+        blocks_of(layer.self_attn.qkv_weight).data.untyped_storage().data_ptr()
+    ours, fp32 = q8.model.state_dict(), tiny_loaded.model.state_dict()
+    assert ours.keys() == fp32.keys()
+    worst = max(((ours[k] - fp32[k]).abs().max() / fp32[k].abs().max().clamp_min(1e-12)).item() for k in fp32)
+    assert worst <= 0.5 / 127 + 1e-3  # half a code step of each block's scale, and the fp16 scale's rounding
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    engine = LLMEngine(EngineConfig(kv_cache_memory="8MiB", weights="q8_0"), tiny_loaded)
+    assert engine.weights_mode == "q8_0" and holds_blocks(engine.loaded.model)
+    assert len(LLM.from_engine(engine).generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids) == 8
