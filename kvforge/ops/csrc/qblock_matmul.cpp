@@ -104,6 +104,8 @@ inline float lane_sum(__m512 v) {
 }
 
 // Weight rows [n, n + R) against rows [m0, m0 + MR) of x.
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the loads the weight rows are prefetched (into L2)
+
 template <int64_t T, int R, int MR>
 inline void tile(const BlockRows& xr, const uint8_t* w, float* y, int64_t stride, int64_t K, int64_t n, int64_t m0) {
   using Tr = Traits<T>;
@@ -120,6 +122,7 @@ inline void tile(const BlockRows& xr, const uint8_t* w, float* y, int64_t stride
     for (int r = 0; r < R; ++r) {
       const uint8_t* a = w + (n + r) * row_bytes + 2 * c * Tr::bytes;
       u[r] = codes<T>(a, whole ? a + Tr::bytes : nullptr, d[r], mins[r]);
+      if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(a + kPrefetchBytes), _MM_HINT_T1);
     }
     for (int m = 0; m < MR; ++m) {
       const int64_t row = m0 + m;
