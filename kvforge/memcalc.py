@@ -40,6 +40,7 @@ class ResolvedModel:
     config: ModelConfig
     file_weights_bytes: int | None = None  # tensor bytes of a GGUF file, when known
     published_dtype: str | None = None  # a preset's or config.json's weight dtype
+    gguf_path: str | None = None  # the GGUF file, when the model is one (weights="auto" keeps its block tensors)
 
 
 _HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}
@@ -87,7 +88,7 @@ def _config_dtype(path: Path) -> str | None:
     return _HF_DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype")))
 
 
-ENGINE_WEIGHTS = ("fp32", "int8")  # EngineConfig(weights=...)
+ENGINE_WEIGHTS = ("auto", "fp32", "int8")  # EngineConfig(weights=...)
 
 
 def default_weights(m: ResolvedModel, weights_dtype: str | None = None, engine_weights: str | None = None,
@@ -100,7 +101,7 @@ def default_weights(m: ResolvedModel, weights_dtype: str | None = None, engine_w
     if engine_weights is not None:
         if engine_weights not in ENGINE_WEIGHTS:
             raise ConfigError(f"engine weights must be one of {ENGINE_WEIGHTS}, got {engine_weights!r}")
-        engine = engine_weight_bytes(m.config, engine_weights)
+        engine = engine_weight_bytes(m.config, engine_weights, m.gguf_path)
         if engine is None:
             raise ConfigError(f"kvforge's engine does not run the {m.config.arch!r} architecture; give --weights or "
                               "--weights-dtype for it")
@@ -108,7 +109,7 @@ def default_weights(m: ResolvedModel, weights_dtype: str | None = None, engine_w
     if weights_dtype is not None:
         return weight_bytes(m.config, weights_dtype), f"{params / 1e9:.2f}B parameters at {weights_dtype}"
     if m.file_weights_bytes or engine_default:
-        engine = engine_weight_bytes(m.config, engine_default or "fp32")
+        engine = engine_weight_bytes(m.config, engine_default or "fp32", m.gguf_path)
         if engine is not None and m.file_weights_bytes and not engine_default:
             return engine, "as kvforge's engine holds the GGUF: fp32, plus panel copies of the weights its kernels read"
         if engine is not None:
@@ -122,13 +123,14 @@ def default_weights(m: ResolvedModel, weights_dtype: str | None = None, engine_w
     return weight_bytes(m.config, dtype), f"{params / 1e9:.2f}B parameters at {dtype}, {how}{unrun}"
 
 
-def engine_weight_bytes(cfg: ModelConfig, weights: str = "fp32") -> int | None:
+def engine_weight_bytes(cfg: ModelConfig, weights: str = "fp32", gguf_path: str | None = None) -> int | None:
     """Bytes an engine with these weights would hold for this model (models/weight_store.py's rules on the model
-    built on the meta device), or None for an architecture kvforge does not run."""
+    built on the meta device; "auto" on a GGUF file: its block tensors as stored), or None for an architecture
+    kvforge does not run."""
     from kvforge.models.weight_store import planned_bytes
 
     try:
-        return planned_bytes(cfg, weights)
+        return planned_bytes(cfg, weights, gguf_path)
     except (ModelLoadError, KeyError, TypeError, ValueError):
         return None
 
@@ -345,7 +347,7 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: cannot read the file as GGUF ({e})") from None
     cfg = _gguf_config(path, meta, tied=not any(t.name == "output.weight" for t in tensors))
-    return ResolvedModel(path.name, cfg, sum(t.nbytes for t in tensors))
+    return ResolvedModel(path.name, cfg, sum(t.nbytes for t in tensors), gguf_path=str(path))
 
 
 def _gguf_config(path: Path, meta: dict[str, Any], tied: bool) -> ModelConfig:

@@ -21,6 +21,8 @@ from kvforge.engine.engine import LLMEngine
 from kvforge.errors import ConfigError
 from kvforge.kv.formats import get_format
 from kvforge.kv.memory import budget_for
+from kvforge.models.loader import load_model
+from kvforge.models.quant_weights import holds_blocks
 from kvforge.sampling_params import SamplingParams
 
 INSTALL_HINT = ("llama-cpp-python is not installed; install the extra with `pip install 'kvforge[llamacpp]'` "
@@ -44,6 +46,8 @@ class KvforgeRunner:
     """kvforge's side of a round: an engine sized for the largest batch, prompts prefilled in one step."""
 
     def __init__(self, loaded, npp: int, ntg: int, most: int, weights: str = "fp32"):
+        if weights == "auto" and not holds_blocks(loaded.model) and loaded.path.endswith(".gguf"):
+            loaded = load_model(loaded.path, weights="auto")  # the file's block tensors as stored
         budget = budget_for(loaded.config.kv_cache_spec(), get_format("fp32"), 16, npp + ntg + 16, most, 1)
         self.engine = LLMEngine(EngineConfig(max_num_seqs=most, max_num_batched_tokens=max(most * npp, 512),
                                              kv_cache_memory=budget, max_model_len=npp + ntg + 16,
@@ -112,7 +116,8 @@ def _ratios(ours: dict, theirs: dict, npl: list[int], key: str) -> dict:
 
 def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] = (1, 8, 32),
                     threads: int | None = None, seed: int = 0, kvforge_only: bool = False,
-                    llama_gguf: str | None = None, rounds: int = 3, weights: str = "fp32") -> dict:
+                    llama_gguf: str | None = None, rounds: int = 3, weights: str = "fp32",
+                    llama_extra_bufts: bool = True) -> dict:
     """Both engines on the same shapes and weights; `ratio.*` = kvforge tok/s / llama.cpp tok/s (wall clock);
     at one thread `ratio_cpu.*` is the same per second of the computing thread's CPU time, which other
     processes on a shared machine inflate far less than wall time."""
@@ -131,7 +136,7 @@ def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] 
         from kvforge.bench.llama_cpp_runner import LlamaCppRunner
 
         path = llama_gguf or str(write_f32_gguf(loaded.path))
-        runners["llama_cpp"] = LlamaCppRunner(path, threads)
+        runners["llama_cpp"] = LlamaCppRunner(path, threads, llama_extra_bufts)
     try:
         rows = measure(runners, npp, ntg, npl, rounds, loaded.config.vocab_size, seed)
     finally:

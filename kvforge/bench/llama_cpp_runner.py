@@ -18,7 +18,8 @@ def _quiet(level, text, user_data) -> None:
 
 
 class LlamaCppRunner:
-    def __init__(self, gguf_path: str, threads: int):
+    def __init__(self, gguf_path: str, threads: int, extra_bufts: bool = True):
+        """extra_bufts=False: no repacked weight buffers (AMX, CPU repack), for builds where they fail."""
         import llama_cpp as ll
 
         self.ll, self.threads = ll, threads
@@ -26,6 +27,8 @@ class LlamaCppRunner:
         ll.llama_backend_init()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
+        if not extra_bufts:
+            params.use_extra_bufts = False
         self.model = ll.llama_model_load_from_file(gguf_path.encode(), params)
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {gguf_path!r}")

@@ -1,7 +1,7 @@
-"""Weight kinds side by side (fp32 vs weight-only int8): prefill and decode tok/s per batch size on llama.cpp's
+"""Weight kinds side by side (two of fp32, weight-only int8, auto: a GGUF's blocks as stored): prefill and decode tok/s per batch size on llama.cpp's
 batched-bench shapes, through `bench/llama_cpp.py`'s kvforge runner and round loop: each batch size runs both
 kinds once per round, alternating their order, medians over rounds, wall clock and (at one thread) per second of
-the thread's CPU time, which other jobs on a shared machine inflate much less. `ratio.decode_bN` = int8 / fp32.
+the thread's CPU time, which other jobs on a shared machine inflate much less. `ratio.decode_bN` = the second kind / the first.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import time
 
 import torch
 
@@ -26,7 +27,9 @@ def measure(model: str | None, weights: str, prompt_tokens: int, kv_cache_memory
 
     out = {"weights": weights, "prompt_tokens": prompt_tokens, "kv_cache_memory": kv_cache_memory,
            "rss_mib": {"start": rss_mib()}}
-    loaded = load_model(model)
+    clock = time.perf_counter()
+    loaded = load_model(model, weights=weights)
+    out["load_s"] = time.perf_counter() - clock  # the file in the page cache after its first read
     out["rss_mib"]["after_load"] = rss_mib()
     engine = LLMEngine(EngineConfig(model=model, kv_cache_memory=kv_cache_memory, weights=weights), loaded)
     del loaded  # the engine's own reference only: an int8 engine's fp32 originals may now go
@@ -46,7 +49,7 @@ def measure(model: str | None, weights: str, prompt_tokens: int, kv_cache_memory
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
-    p.add_argument("--weights", choices=["fp32", "int8"], default="fp32", help="weights mode (default fp32)")
+    p.add_argument("--weights", choices=["auto", "fp32", "int8"], default="fp32", help="weights mode (default fp32)")
     p.add_argument("--prompt-tokens", type=int, default=700, help="prefill length (default 700)")
     p.add_argument("--kv-cache-memory", default="64MiB", help="KV budget (default 64MiB)")
     a = p.parse_args()

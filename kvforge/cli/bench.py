@@ -119,11 +119,20 @@ def register(sub) -> None:
     ll.add_argument("--kvforge-only", action="store_true", help="measure kvforge only (no llama-cpp-python needed)")
     ll.add_argument("--llama-gguf", default=None,
                     help="GGUF for llama.cpp as is, e.g. a Q8_0 file (default: an F32 copy of --model, cached)")
-    ll.add_argument("--weights", default="fp32", choices=["fp32", "int8"], help="kvforge's linear-layer weights")
+    ll.add_argument("--gguf", default=None, metavar="FILE",
+                    help="both engines on this GGUF as shipped (llama.cpp reads it as is, kvforge with --weights, "
+                         "default auto: its block tensors computed in place); replaces --model and --llama-gguf")
+    ll.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its repacked weight buffers (AMX, CPU repack), for builds that crash with them")
+    ll.add_argument("--weights", default=None, choices=["auto", "fp32", "int8"],
+                    help="kvforge's weights (default: fp32, or auto with --gguf)")
     _output_options(ll, model=True)
     ll.set_defaults(func=run_llama_cpp)
 
-    w = bsub.add_parser("weights", help="fp32 vs int8 linear weights: decode tok/s per batch size, in one run")
+    w = bsub.add_parser("weights", help="two weight kinds (fp32, int8, auto) side by side: decode tok/s per batch "
+                                         "size, in one run")
+    w.add_argument("--kinds", nargs=2, default=["fp32", "int8"], choices=["auto", "fp32", "int8"],
+                   help="the two kinds, baseline first (default: fp32 int8; auto = a GGUF's blocks as stored)")
     w.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
     w.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
     w.add_argument("--npl", type=int, nargs="+", default=[1, 8], help="batch sizes: sequences run together")
@@ -324,8 +333,10 @@ def run_llama_cpp(args) -> int:
 
     if not args.kvforge_only and not llama_cpp_available():
         raise ConfigError(INSTALL_HINT)
-    r = llama_cpp_bench(load_model(args.model), args.npp, args.ntg, tuple(args.npl), args.threads, args.seed,
-                        args.kvforge_only, args.llama_gguf, args.rounds, args.weights)
+    model, llama_gguf = (args.gguf, args.gguf) if args.gguf else (args.model, args.llama_gguf)
+    weights = args.weights or ("auto" if args.gguf else "fp32")
+    r = llama_cpp_bench(load_model(model, weights=weights), args.npp, args.ntg, tuple(args.npl), args.threads,
+                        args.seed, args.kvforge_only, llama_gguf, args.rounds, weights, not args.llama_no_extra_bufts)
     rows = [("threads", r["threads"])]
     for side in ("kvforge", "llama_cpp"):
         if side in r:
@@ -341,7 +352,7 @@ def run_weights(args) -> int:
     from kvforge.bench.weights import weights_bench
     from kvforge.models.loader import load_model
 
-    r = weights_bench(load_model(args.model), ("fp32", "int8"), args.npp, args.ntg, tuple(args.npl), args.rounds,
+    r = weights_bench(load_model(args.model), tuple(args.kinds), args.npp, args.ntg, tuple(args.npl), args.rounds,
                       args.seed)
     rows = [(f"{kind} decode tok/s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_s"]) for kind in r["kinds"]
             for pl in r["npl"]]

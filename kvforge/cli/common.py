@@ -43,8 +43,10 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     g.add_argument("--no-kv-groups", action="store_true",
                    help="keep every layer's whole history, sliding-window layers too (the old behaviour; "
                         "default: sliding-window layers form KV groups that free blocks behind the window)")
-    g.add_argument("--weights", default="fp32", choices=list(WEIGHT_KINDS),
-                   help="linear-layer weights: fp32, or int8 (per-output-channel scales, fp32 activations)")
+    g.add_argument("--weights", default=EngineConfig.weights, choices=list(WEIGHT_KINDS),
+                   help="weights (default: %(default)s): auto (as stored: a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensors stay quantized and are "
+                        "computed in place), fp32 (dequantized at load), int8 (per-output-channel scales, fp32 "
+                        "activations), or q8_0 (an fp32 model quantized at load into Q8_0 blocks)")
     g.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda:0 (default: cuda when present, else cpu)")
     g.add_argument("--speculative", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' (default: off)')

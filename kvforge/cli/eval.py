@@ -24,8 +24,9 @@ def register(sub) -> None:
                      help="greedy agreement prompts x 64 tokens, at most one per ~152 scored tokens (0 = skip)")
     ppl.add_argument("--no-progress", action="store_true", help="no progress bars (default: bars when stderr is a terminal)")
     ppl.add_argument("--json", action="store_true", help="print JSON")
-    ppl.add_argument("--weights", default="fp32", choices=["fp32", "int8"],
-                     help="linear-layer weights of the scored engine (the baseline keeps fp32 weights and cache)")
+    ppl.add_argument("--weights", default="fp32", choices=["auto", "fp32", "int8"],
+                     help="weights of the scored engine: auto (a GGUF's block tensors as stored), fp32, int8 (the "
+                          "baseline keeps fp32 weights and cache)")
     ppl.add_argument("--segment", type=int, default=None, help="also report perplexity and peak KV per segment of N tokens (default: off)")
     add_policy_options(ppl)
     panel = ppl.add_argument_group("panel (the texts the quality goals hold on; see docs/results.md)")
@@ -83,7 +84,7 @@ def run_ppl(args) -> int:
         return run_panel(args)
     text = load_text(args.text, args.text_file)
     log(f"loading {args.model or 'the embedded SmolLM2-135M'}")
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, weights=args.weights)
     r = ppl_eval(loaded, text, args.max_tokens, args.chunk_size, args.agreement_prompts, segment=args.segment,
                  progress=not args.no_progress and default_enabled(), log=log, weights=args.weights, **format_kwargs(args),
                  **policy_kwargs(args))

@@ -38,6 +38,8 @@ from kvforge.kv.tiers.setup import build_tier_connector, check_tier_groups
 from kvforge.models.bridged import prepare_bridge
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
+from kvforge.models.quant_weights import holds_blocks
+from kvforge.models.requantize import q8_0_loaded
 from kvforge.models.weight_store import prepare_weights, resident_bytes
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
@@ -53,10 +55,17 @@ class LLMEngine:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self._request_seeds = random.Random(config.seed)  # seed=None: fresh OS entropy every run
-        self.loaded = loaded or load_model(config.model, self.device)
+        self.loaded = loaded or load_model(config.model, self.device, config.weights)
+        if config.weights != "auto" and holds_blocks(self.loaded.model):  # fp32 or int8 asked of a GGUF kept in blocks
+            self.loaded = load_model(self.loaded.path, self.device)
         self.model_config = cfg = self.loaded.config
+        # what the weights really are, for the tiers' keys: "auto" over fp32 weights computes as "fp32" does
+        self.weights_mode = "auto:gguf_blocks" if holds_blocks(self.loaded.model) else (
+            "fp32" if config.weights == "auto" else config.weights)
         if config.weights == "int8":
             self.loaded = int8_loaded(self.loaded)  # its own module tree with int8 linear weights
+        elif config.weights == "q8_0":
+            self.loaded = q8_0_loaded(self.loaded)  # its own module tree with Q8_0 block weights
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.kv_spec = cfg.kv_cache_spec()
@@ -135,7 +144,7 @@ class LLMEngine:
     def _model_key(self) -> ModelKey:
         """Everything about the model(s) that changes the cached K/V, for the tiers' key namespace."""
         draft = ModelKey.of(self.draft.model, self.draft.config) if self.draft is not None else None
-        return ModelKey.of(self.loaded.model, self.model_config, self.config.weights, draft)
+        return ModelKey.of(self.loaded.model, self.model_config, self.weights_mode, draft)
 
     def _num_blocks(self) -> int:
         c = self.config

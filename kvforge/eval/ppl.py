@@ -98,7 +98,7 @@ def ppl_eval(loaded, text: str, max_tokens: int = 4096, chunk_size: int | None =
     """The format/policy's perplexity and the fp32 full-cache baseline, in one run on one text."""
     ids = loaded.tokenizer.encode(text)[:max_tokens]
     agreement_prompts = agreement_prompt_count(agreement_prompts, len(ids), agreement_tokens)
-    base = engine_for(loaded, len(ids))
+    base = engine_for(loaded, len(ids), weights="fp32")  # the baseline: fp32 weights (dequantized) and cache
     other = engine_for(loaded, len(ids), **options)
     ctx = loaded.config.max_position_embeddings
     if len(ids) > ctx and other.length_limit <= ctx:

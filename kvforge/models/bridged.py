@@ -17,6 +17,7 @@ from torch import nn
 from kvforge.attention import AttentionMetadata, attend
 from kvforge.kv.pool import KVPool
 from kvforge.models.int8_weights import INT8, is_quantized
+from kvforge.models.quant_weights import blocks_of, holds_blocks
 from kvforge.ops.int8 import compiled_for
 from kvforge.ops.layer_bridge import BRIDGE_ROWS, WIDE_ROWS, layer_bridge, serves
 from kvforge.ops.layers_reference import GATED
@@ -38,7 +39,7 @@ class BridgeWeights:
     pre: list[list[torch.Tensor]]  # per layer: [input norm, qkv weight, its int8 scale, qkv bias]
     post: list[list[torch.Tensor]]  # per layer: [o weight, scale, bias, pre-MLP norm, gate_up w, s, down w, s]
     final: list[torch.Tensor]  # [final norm]
-    int8: bool  # int8 weights (they need the compiled int8 kernel)
+    int8: bool  # int8 or GGUF block weights (they need the compiled VNNI kernels, and stay at BRIDGE_ROWS rows)
     scale: float  # attention's softmax scale
     norms: list[list[torch.Tensor]] | None = None  # per layer: [post_attn, post_mlp, q, k] (empty: none), None: Llama's
     activation: str = "silu"  # of the gate, times up
@@ -59,7 +60,11 @@ _WIDE: weakref.WeakKeyDictionary[nn.Module, BridgeWeights | None] = weakref.Weak
 
 
 def _parts(weight: torch.Tensor) -> list[torch.Tensor]:
-    """[weight, scale] in the operator's form: the int8 packed weight and its scales, or the fp32 weight, no scale."""
+    """[weight, scale] in the operator's form: the int8 packed weight and its scales, GGUF blocks and their ggml type
+    (models/quant_weights.py), or the fp32 weight, no scale."""
+    blocks = blocks_of(weight)
+    if blocks is not None:
+        return [blocks.data, torch.tensor([blocks.qtype], device=blocks.data.device)]
     q = getattr(weight, INT8, None)
     return [weight, _none(weight)] if q is None else [q[0], q[1]]
 
@@ -72,7 +77,8 @@ def _none(like: torch.Tensor) -> torch.Tensor:
     """The operator's empty tensor for no scale or bias, on the weights' device (a tensor made at import could land
     on the meta device the loader builds models on, and send every call to the torch reference; an int8 weight's
     released fp32 original is on the meta device, its int8 form is not)."""
-    return torch.empty(0, device=getattr(like, INT8, (like,))[0].device)
+    blocks = blocks_of(like)
+    return torch.empty(0, device=blocks.data.device if blocks is not None else getattr(like, INT8, (like,))[0].device)
 
 
 def _weights(model: nn.Module) -> BridgeWeights | None:
@@ -101,7 +107,7 @@ def _gathered(model: nn.Module, activation: str) -> BridgeWeights:
         post=[[*_parts(layer.self_attn.o_proj.weight), _bias(layer.self_attn.o_proj.bias, layer.self_attn.o_proj.weight),
                n.pre_mlp, *_parts(layer.mlp.gate_up_weight), *_parts(layer.mlp.down_proj.weight)]
               for n, layer in zip(norms, layers)],
-        final=[model.model.norm.multiplier], int8=is_quantized(model), scale=layers[0].self_attn.scale,
+        final=[model.model.norm.multiplier], int8=is_quantized(model) or holds_blocks(model), scale=layers[0].self_attn.scale,
         norms=extra if any(t.numel() for row in extra for t in row) else None, activation=activation,
         softcaps=[layer.self_attn.softcap for layer in layers], empty=[empty, empty])
 

@@ -21,6 +21,7 @@ from kvforge.errors import KVForgeError, ModelLoadError
 from kvforge.models.config import ModelConfig
 from kvforge.models.gemma_config import GEMMA_ARCHES, GGUF_LAYER_NAMES, LAYER_NORMS, gemma_from_gguf
 from kvforge.models.gguf_quants import dequantize_torch
+from kvforge.models.quant_weights import QuantBlocks, keeps_blocks
 from kvforge.models.tokenizer import Tokenizer
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -78,6 +79,22 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise ModelLoadError(f"{self.path}: corrupt GGUF: {what} at byte {start} is not UTF-8") from e
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` strings in a row (a vocabulary, merges): string() without a call per bound check."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        try:
+            for _ in range(count):
+                n = struct.unpack_from("<Q", buf, pos)[0] if pos + 8 <= size else -1
+                if n < 0 or pos + 8 + n > size:
+                    self.pos = pos
+                    self.string(what)  # raises with the offending offsets
+                out.append(buf[pos + 8:pos + 8 + n].decode("utf-8"))
+                pos += 8 + n
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{self.path}: corrupt GGUF: {what} at byte {pos + 8} is not UTF-8") from e
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALAR:
             return self.scalar(vtype, what)
@@ -91,6 +108,8 @@ class _Cursor:
                 return np.frombuffer(self.buf, np.dtype(_SCALAR[etype]), count, start).tolist()
             if count > self.size - self.pos:
                 self.take(count, what)  # raises: not even a byte per element is left
+            if etype == _STRING:
+                return self.strings(count, what)
             return [self.value(etype, what) for _ in range(count)]
         raise ModelLoadError(f"{self.path}: corrupt GGUF: {what} has unknown value type {vtype} (expected 0..12)")
 
@@ -290,16 +309,51 @@ def _open(path: str) -> Any:
 
 def load_gguf(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """Load a GGUF model: its config, its weights (fp32, contiguous, HF Llama names and shapes), its tokenizer."""
+    config, weights, _, tokenizer = _guarded(os.fspath(path), False)
+    return config, weights, tokenizer
+
+
+def load_gguf_blocks(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor],
+                                                             dict[str, QuantBlocks], Tokenizer]:
+    """load_gguf keeping every 2-D tensor of a block type computed in place (models/quant_weights.py) as its block
+    bytes, not dequantized: those come back as QuantBlocks (rows in Hugging Face order), with meta placeholders of
+    their fp32 shapes among the weights."""
+    return _guarded(os.fspath(path), True)
+
+
+def block_table(path: str | os.PathLike[str]) -> dict[str, QuantBlocks]:
+    """The tensors load_gguf_blocks would keep in blocks, from the header alone: QuantBlocks on the meta device
+    (their byte shapes, no data), by Hugging Face name."""
     path = os.fspath(path)
+    meta, table = read_gguf_header(path, _open(path))
+    arch = meta.get("general.architecture")
+    out = {}
+    for t in table:
+        hf = _hf_name(t.name, arch)
+        if hf is not None and keeps_blocks(int(t.qtype), t.shape):
+            block, type_size = GGML_QUANT_SIZES[t.qtype]
+            data = torch.empty(t.shape[0], t.shape[1] // block * type_size, dtype=torch.uint8, device="meta")
+            out[hf] = QuantBlocks(int(t.qtype), data)
+    return out
+
+
+def _guarded(path: str, keep_blocks: bool):
     try:
-        return _load(path, _open(path))
+        return _load(path, _open(path), keep_blocks)
     except KVForgeError:
         raise
     except Exception as e:  # metadata of the wrong type, a tokenizer that will not build: still a bad file
         raise ModelLoadError(f"{path}: corrupt or unsupported GGUF ({type(e).__name__}: {e})") from e
 
 
-def _load(path: str, buf: Any) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def _raw_rows(buf: Any, t: GGUFTensor) -> torch.Tensor:
+    """A 2-D block tensor's bytes as uint8 [rows, row bytes] (a copy out of the mapping)."""
+    block, type_size = GGML_QUANT_SIZES[t.qtype]
+    raw = np.frombuffer(buf, np.uint8, t.nbytes, t.start).reshape(t.shape[0], t.shape[1] // block * type_size)
+    return torch.from_numpy(raw.copy())
+
+
+def _load(path: str, buf: Any, keep_blocks: bool = False):
     meta, table = read_gguf_header(path, buf)
     tensors = {t.name: t for t in table}
     tokenizer = Tokenizer.from_gguf_metadata(meta)
@@ -312,14 +366,22 @@ def _load(path: str, buf: Any) -> tuple[ModelConfig, dict[str, torch.Tensor], To
     _check_tensors(path, config, named)
     permuted = arch in _PERMUTED_QK
     weights: dict[str, torch.Tensor] = {}
+    blocks: dict[str, QuantBlocks] = {}
     for hf, t in named.items():
+        if keep_blocks and keeps_blocks(int(t.qtype), t.shape):
+            rows = _raw_rows(buf, t)
+            if permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
+                rows = _unpermute(rows, config.num_heads if "q_proj" in hf else config.num_kv_heads).contiguous()
+            blocks[hf] = QuantBlocks(int(t.qtype), rows)
+            weights[hf] = torch.empty(t.shape, device="meta")
+            continue
         w = _to_torch(buf, t)
         if permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute(w, config.num_heads if "q_proj" in hf else config.num_kv_heads).contiguous()
         if arch in GEMMA_ARCHES and hf.endswith("norm.weight"):
             w -= 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; Hugging Face names hold w
         weights[hf] = w
-    return config, weights, tokenizer
+    return config, weights, blocks, tokenizer
 
 
 def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:

@@ -20,6 +20,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from kvforge.models.quant_weights import QBLOCKS, block_linear
 from kvforge.ops import layers as ops_layers
 from kvforge.ops.int8 import (
     COMPILED_ROWS,
@@ -41,10 +42,13 @@ FUSED = ("qkv_weight", "gate_up_weight")  # fused projections the models call th
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """ops.layers.linear, or for a quantized `weight` the compiled int8 operator (decode's few rows) or, for more
+    """ops.layers.linear, for a weight held in GGUF blocks models/quant_weights.py's block_linear, or for an int8
+    `weight` the compiled int8 operator (decode's few rows) or, for more
     rows and where no kernel is built, int8_panel_linear (fp32 activations times the dequantized weight)."""
     q = getattr(weight, INT8, None)
     if q is None:
+        if getattr(weight, QBLOCKS, None) is not None:
+            return block_linear(x, weight, bias)
         return ops_layers.linear(x, weight, bias)
     if x.numel() // x.shape[-1] <= COMPILED_ROWS and compiled_for(x):
         return operator_linear(x, q[0], q[1], bias)

@@ -9,6 +9,7 @@ from torch import nn
 
 from kvforge.errors import ModelLoadError
 from kvforge.models.int8_weights import linear
+from kvforge.models.quant_weights import fuse_blocks
 from kvforge.ops.layers import rms_norm, silu_mul
 
 
@@ -62,13 +63,15 @@ def unfilled_embedding(num: int, dim: int) -> nn.Embedding:
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) holding the given projections' rows in order; each projection's parameters become
     views into it, so one matmul computes them all and no weight is stored twice."""
-    weight = torch.cat([lin.weight for lin in linears])
+    blocks = fuse_blocks(linears)  # weights held as GGUF blocks (models/quant_weights.py) fuse their blocks
+    weight = torch.cat([lin.weight for lin in linears]) if blocks is None else blocks
     biases = [lin.bias for lin in linears]
     bias = torch.cat(biases) if all(b is not None for b in biases) else None
     first = 0
     for lin in linears:
         rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight[first: first + rows], requires_grad=False)
+        if blocks is None:
+            lin.weight = nn.Parameter(weight[first: first + rows], requires_grad=False)
         if bias is not None:
             lin.bias = nn.Parameter(bias[first: first + rows], requires_grad=False)
         first += rows

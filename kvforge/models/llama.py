@@ -15,6 +15,7 @@ from kvforge.models.bridged import LayerNorms, bridged, forward_bridged
 from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import linear
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, fuse_linears, unfilled_embedding
+from kvforge.models.quant_weights import block_data
 from kvforge.ops.huge_pages import move_to_huge_pages
 from kvforge.ops.layers import add_rms_norm_, rope
 
@@ -121,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
-        move_to_huge_pages(self)  # a decode step streams every weight: ~1.6x the bandwidth of 4 KB pages
+        move_to_huge_pages(self, block_data(self))  # a decode step streams every weight: ~1.6x the bandwidth of 4 KB pages
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
                 layers: Sequence[int] | None = None) -> torch.Tensor:

@@ -32,13 +32,20 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
 
 
-def load_model(path: str | None = None, device: torch.device | str = "cpu") -> LoadedModel:
+def load_model(path: str | None = None, device: torch.device | str = "cpu", weights: str = "fp32") -> LoadedModel:
+    """weights="auto": a GGUF file's block-quantized tensors stay in their blocks on a CPU (models/quant_weights.py),
+    everything else as "fp32": every tensor loaded as fp32."""
     path = path or default_model_path()
     p = Path(path)
     if not p.exists():
         p = Path(packaged_model_path(path) or path)
+    blocks = {}
     if p.is_dir():
         cfg, weights, tokenizer = _load_hf_dir(p)
+    elif p.is_file() and weights == "auto" and torch.device(device).type == "cpu":
+        from kvforge.models.gguf_loader import load_gguf_blocks
+
+        cfg, weights, blocks, tokenizer = load_gguf_blocks(p)
     elif p.is_file():
         from kvforge.models.gguf_loader import load_gguf
 
@@ -48,8 +55,8 @@ def load_model(path: str | None = None, device: torch.device | str = "cpu") -> L
                f"`hf download {path} --local-dir DIR`) and pass DIR or a .gguf file") if _looks_like_repo_id(path) else ""
         raise ModelLoadError(f"model path {path!r} does not exist; give a .gguf file, a Hugging Face model directory "
                              f"or a packaged model name ({', '.join(PACKAGED_MODELS)}){hub}")
-    model = build_model(cfg, weights).to(device)
-    return LoadedModel(cfg, model.eval(), tokenizer, str(p))
+    model = build_model(cfg, weights, blocks)
+    return LoadedModel(cfg, (model if blocks else model.to(device)).eval(), tokenizer, str(p))
 
 
 def _looks_like_repo_id(path: str) -> bool:
@@ -106,8 +113,9 @@ def model_class(cfg: ModelConfig) -> type[nn.Module]:
                          "deepseek_v2, deepseek_v3, granitemoehybrid, mamba2, lfm2, rwkv, qwen3_next")
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
-    """Instantiate the model for cfg and load weights (Hugging Face names), strictly."""
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], blocks: dict | None = None) -> nn.Module:
+    """Instantiate the model for cfg and load weights (Hugging Face names), strictly; `blocks` (QuantBlocks by
+    name, meta placeholders among the weights) stay in their GGUF blocks (models/quant_weights.py)."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
     weights = {k: v for k, v in weights.items() if "rotary_emb" not in k and not _extra_layer(k, cfg)}
@@ -118,14 +126,24 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:
         raise ModelLoadError(f"weights do not match the {cfg.arch} architecture: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    shapes = {k: v.shape for k, v in model.state_dict().items()}  # once: a state dict walks every module
     for name, t in weights.items():
         want = shapes[name]
         if t.shape != want:
             raise ModelLoadError(f"weight {name} has shape {tuple(t.shape)}, the config implies {tuple(want)}")
     model.load_state_dict(weights, strict=False, assign=True)
+    if blocks:
+        from kvforge.models.quant_weights import attach_blocks
+
+        attach_blocks(model, blocks)
     if cfg.tie_word_embeddings:
         embed = {"mamba2": "backbone.embeddings", "rwkv": "rwkv.embeddings"}.get(cfg.arch, "model.embed_tokens")
         model.get_submodule("head" if cfg.arch == "rwkv" else "lm_head").weight = model.get_submodule(embed).weight
+    if blocks:
+        from kvforge.models.quant_weights import adopt_block_modules, dequantized_state
+
+        adopt_block_modules(model)
+        model._register_state_dict_hook(dequantized_state)
     model.init_buffers()
     return model
 

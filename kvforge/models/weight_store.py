@@ -9,6 +9,9 @@ Rules, applied when an engine is built (`prepare_weights`) and, for a model not 
   (decode's few rows) and as int8 panels (more rows), with one scale per row; its fp32 original is released (the
   tensor object stays on the meta device, so shapes and state dicts still work), other tensors (embedding, norms,
   biases) stay as loaded.
+- GGUF blocks (models/quant_weights.py, `weights="auto"` on a GGUF file): each Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight is
+  held as its file's block bytes only (its kernels read them in place: no panels, no fp32 copy), fused projections
+  as one block tensor whose parts are views; other tensors as fp32.
 `resident_bytes` sums the storages a model really holds, each once; the engine reports it, and its free-memory
 sizing sees every copy, since all exist before the KV pool is sized.
 """
@@ -22,6 +25,7 @@ from torch import nn
 from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import INT8, RELEASED, int8_panels, quantize_model, quantized_weights
 from kvforge.models.int8_weights import PANELS as INT8_PANELS
+from kvforge.models.quant_weights import adopt_block_modules, attach_blocks, blocks_of
 from kvforge.ops.packed_weights import ATTRIBUTE as ONEDNN
 from kvforge.ops.panels import ATTRIBUTE as PANELS
 from kvforge.ops.panels import panels
@@ -37,7 +41,7 @@ def linear_weights(model: nn.Module) -> list[torch.Tensor]:
     for module in model.modules():
         declared = getattr(module, "linear_weights", None)
         for w in declared() if callable(declared) else []:
-            if w is not None and getattr(w, INT8, None) is None:
+            if w is not None and getattr(w, INT8, None) is None and blocks_of(w) is None:
                 found[id(w)] = w
     return list(found.values())
 
@@ -69,6 +73,8 @@ def resident_tensors(model: nn.Module) -> list[torch.Tensor]:
             out.append(t)
         out.extend(getattr(t, name) for name in LAYOUTS if getattr(t, name, None) is not None)
         out.extend(getattr(t, INT8, None) or ())
+        if blocks_of(t) is not None:
+            out.append(blocks_of(t).data)
     return out
 
 
@@ -86,15 +92,24 @@ def resident_bytes(model: nn.Module) -> int:
     return sum(storages.values())
 
 
-def planned_bytes(cfg: ModelConfig, weights: str = "fp32") -> int:
-    """The bytes an engine with these weights (`fp32` or `int8`) would hold for this model, from its config alone:
-    the model built on the meta device, the same rules applied, its storages counted."""
+def planned_bytes(cfg: ModelConfig, weights: str = "fp32", gguf_path: str | None = None) -> int:
+    """The bytes an engine with these weights (`auto`, `fp32` or `int8`) would hold for this model, from its config
+    (and for `auto`, a GGUF file's tensor table): the model built on the meta device, the same rules applied, its
+    storages counted. `auto` without a GGUF file holds fp32 weights."""
     from kvforge.models.loader import model_class
 
+    blocks = {}
+    if weights == "auto" and gguf_path is not None:
+        from kvforge.models.gguf_loader import block_table
+
+        blocks = block_table(gguf_path)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
+        if blocks:
+            attach_blocks(model, blocks)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
+        adopt_block_modules(model)
         model.init_buffers()
         model.eval()
         if weights == "int8":

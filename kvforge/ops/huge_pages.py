@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -35,13 +36,15 @@ def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     return mapping, -start % PAGE
 
 
-def move_to_huge_pages(module: nn.Module) -> int:
-    """Move the module's fp32 CPU parameters and buffers whose storage holds at least MIN_BYTES onto huge pages;
-    returns the bytes moved (0 when unavailable). Each storage gets a storage of its own in the one mapping (each
-    holds the mapping alive), so tensors share a storage afterwards exactly when they did before."""
+def move_to_huge_pages(module: nn.Module, extra: Sequence[torch.Tensor] = ()) -> int:
+    """Move the module's fp32 CPU parameters and buffers whose storage holds at least MIN_BYTES, and the CPU tensors
+    `extra` of any size and dtype (GGUF block weights, models/quant_weights.py), onto huge pages; returns the bytes
+    moved (0 when unavailable). Each storage gets a storage of its own in the one mapping (each holds the mapping
+    alive), so tensors share a storage afterwards exactly when they did before."""
     if not available():
         return 0
     tensors = [t for t in (*module.parameters(), *module.buffers()) if _movable(t)]
+    tensors += [t for t in extra if t.device.type == "cpu"]
     storages: dict[int, torch.UntypedStorage] = {}
     for t in tensors:
         storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())

@@ -62,7 +62,8 @@ def layer_bridge(attn: torch.Tensor | None, residual: torch.Tensor, cos: torch.T
     """A decoder's work between two attentions (csrc/layer_bridge.cpp): with `attn` (this layer's attention
     output) and post = [o_w, o_scale, o_bias, norm_w, gate_up_w, gate_up_scale, down_w, down_scale], the rest of
     the layer; then pre = [norm_w, qkv_w, qkv_scale, qkv_bias]: the next layer's input norm, fused q/k/v projection
-    and RoPE on its q and k heads, or pre = [norm_w]: the final norm. A linear with a non-empty scale has int8
+    and RoPE on its q and k heads, or pre = [norm_w]: the final norm. A uint8 weight is GGUF blocks (ops/qblocks.py)
+    with its ggml type as a one-element int64 "scale"; a linear with another non-empty scale has int8
     weights packed by ops/int8.py, a 3-dim fp32 weight is ops/panels.py's panels; empty tensors stand for no
     scale or bias. `residual` is added to in place.
     kv_write = [k_cache, v_cache, slots] (a plain cache, [blocks, block_size, kv_heads, dim]) also stores the next
@@ -107,6 +108,10 @@ def _normed(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.T
 def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     bias = bias if bias is not None and bias.numel() else None
+    if weight.dtype == torch.uint8:  # GGUF blocks (ops/qblocks.py), their ggml type as the "scale"
+        from kvforge.ops.qblocks import qblock_linear_reference
+
+        return qblock_linear_reference(x, weight, int(scale), weight.shape[0], bias)
     if scale.numel():
         from kvforge.ops.int8 import int8_linear_reference
 

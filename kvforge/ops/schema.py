@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.ops import layers_reference, reference
+from kvforge.ops import layers_reference, qblocks, reference
+
+assert qblocks.LIB  # qblocks defines qblock_linear and qblock_panel_linear
 
 LIB = torch.library.Library("kvforge", "FRAGMENT")
 LIB.define("paged_decode(Tensor q, Tensor block_table, Tensor context_lens, float scale, int window, "

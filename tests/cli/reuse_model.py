@@ -13,4 +13,4 @@ def reuse_loaded_smollm2(monkeypatch, request):
     loaded = request.getfixturevalue("smol_loaded")
     original = engine_module.load_model
     monkeypatch.setattr(engine_module, "load_model",
-                        lambda model=None, device=None: loaded if model is None else original(model, device))
+                        lambda model=None, device=None, weights="fp32": loaded if model is None else original(model, device, weights))

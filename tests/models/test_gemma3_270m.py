@@ -52,7 +52,8 @@ def hf_gemma(gemma_path):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model="gemma3-270m", kv_cache_memory="64MiB", block_size=16, max_num_batched_tokens=48)
+    return LLM(model="gemma3-270m", kv_cache_memory="64MiB", block_size=16, max_num_batched_tokens=48,
+               weights="fp32")  # transformers computes on the dequantized weights
 
 
 def test_tokenizer_token_for_token_with_transformers(gemma_path, llm):

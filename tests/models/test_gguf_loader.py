@@ -284,3 +284,38 @@ def test_smollm2_weights_equal_transformers(smollm2, hf_state_dict) -> None:
     for name, w in weights.items():
         assert w.dtype == torch.float32 and w.is_contiguous(), name
         assert torch.equal(w, hf_state_dict[name]), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_weights_auto_keeps_block_tensors_and_computes_what_fp32_does(tmp_path: Path, arch: str) -> None:
+    """A tiny random GGUF of every block type: weights="auto" holds them as blocks (fused q/k/v and gate/up when the
+    parts share a type, else dequantized), with the same state dict as the fp32 load, and each projection's output
+    close to fp32's (many rows: fp32 activations; one row: int8 activations)."""
+    from kvforge.models.loader import load_model
+    from kvforge.models.quant_weights import blocks_of
+
+    weights = hf_weights(np.random.default_rng(2), arch)
+    types = {"model.embed_tokens.weight": Q.Q8_0, "lm_head.weight": Q.Q4_1}
+    for kind in ("q", "k", "v"):
+        types[f"model.layers.0.self_attn.{kind}_proj.weight"] = Q.Q5_1
+    types |= {"model.layers.0.self_attn.o_proj.weight": Q.Q8_0, "model.layers.0.mlp.gate_proj.weight": Q.Q4_0,
+              "model.layers.0.mlp.up_proj.weight": Q.Q4_0, "model.layers.0.mlp.down_proj.weight": Q.Q5_0,
+              "model.layers.1.self_attn.q_proj.weight": Q.Q4_0, "model.layers.1.self_attn.k_proj.weight": Q.Q8_0}
+    path = tmp_path / "blocks.gguf"
+    write_gguf(path, arch, weights, types)
+    auto, fp32 = load_model(str(path), weights="auto"), load_model(str(path))
+    ours, theirs = auto.model.state_dict(), fp32.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    layers = auto.model.model.layers
+    assert blocks_of(layers[0].self_attn.qkv_weight).qtype == Q.Q5_1 and blocks_of(layers[0].mlp.gate_up_weight)
+    assert blocks_of(layers[1].self_attn.qkv_weight) is None  # q4_0, q8_0 and f32 parts: fused as fp32
+    assert blocks_of(layers[1].self_attn.q_proj.weight) is None and blocks_of(auto.model.lm_head.weight).qtype == Q.Q4_1
+    from kvforge.models.int8_weights import linear
+
+    for rows, tol in ((20, 1e-5), (1, 0.03)):
+        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+        for a, b in ((layers[0].self_attn.qkv_weight, fp32.model.model.layers[0].self_attn.qkv_weight),
+                     (layers[0].mlp.gate_up_weight, fp32.model.model.layers[0].mlp.gate_up_weight),
+                     (auto.model.lm_head.weight, fp32.model.lm_head.weight)):
+            got, want = linear(x, a), linear(x, b)
+            assert ((got - want).norm() / want.norm()).item() < tol

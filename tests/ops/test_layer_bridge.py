@@ -267,3 +267,34 @@ def test_the_engine_packs_the_panel_weights_when_built_not_on_the_first_wide_ste
     monkeypatch.setattr(panels, "pack_panels", lambda w: pytest.fail(f"a step packed a weight of {tuple(w.shape)}"))
     _generate(loaded, {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1},
               [[(3 * i + j) % 90 + 3 for j in range(20)] for i in range(4)])
+
+
+def _block_linear(gen, n, k, qtype, bias=None):
+    from gguf.quants import quantize
+
+    w = (torch.randn(n, k, generator=gen) / k**0.5).numpy()
+    parts = [torch.from_numpy(quantize(w, qtype).copy()), torch.tensor([int(qtype)])]
+    return parts + ([torch.randn(n, generator=gen) if bias else EMPTY] if bias is not None else [])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("inter,bias", [(128, False), (96, True)])
+def test_bridge_on_gguf_block_weights_matches_the_reference(rows, inter, bias):
+    from gguf import GGMLQuantizationType as Q
+
+    if not int8.compiled_for(torch.zeros(1, 8)):
+        pytest.skip("no VNNI kernels on this machine")
+    gen = torch.Generator().manual_seed(rows + inter)
+    norm = lambda: 1 + 0.1 * torch.randn(HIDDEN, generator=gen)
+    post = [*_block_linear(gen, HIDDEN, HEADS * DIM, Q.Q4_0, bias), norm(), *_block_linear(gen, 2 * inter, HIDDEN, Q.Q4_1),
+            *_block_linear(gen, HIDDEN, inter, Q.Q5_0)]
+    pre = [norm(), *_block_linear(gen, (HEADS + 2 * KV_HEADS) * DIM, HIDDEN, Q.Q8_0, bias)]
+    attn = torch.randn(rows, HEADS * DIM, generator=gen)
+    residual = torch.randn(rows, HIDDEN, generator=gen)
+    angles = torch.randn(rows, DIM // 2, generator=gen).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    for a, p_post, p_pre in [(None, [], pre), (attn, post, pre), (attn, post, [norm()])]:
+        got, got_res = _run(torch.ops.kvforge.layer_bridge, a, residual, cos, sin, p_post, p_pre)
+        want, want_res = _run(layers_reference.layer_bridge, a, residual, cos, sin, p_post, p_pre)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)  # norms in another order, then int8 rounding
+        torch.testing.assert_close(got_res, want_res, rtol=2e-3, atol=2e-3)

@@ -21,6 +21,7 @@
 
 #include "int8_matmul.h"
 #include "panel_matmul.h"
+#include "qblock_matmul.h"
 #include "rows.h"
 #include "small_matmul.h"
 
@@ -29,11 +30,14 @@ namespace {
 
 #if defined(__AVX512F__)
 // A linear layer's weight: fp32 [N, K], fp32 panels [N / 16, K, 16] (ops/panels.py, for steps of more rows), or
-// (int8 weights) packed int8 as ops/int8.py's pack with one scale per row.
+// (int8 weights) packed int8 as ops/int8.py's pack with one scale per row, or GGUF blocks (uint8 [N, K / 32 * block
+// bytes], ops/qblocks.py) with their ggml type as the int64 "scale".
 struct Linear {
   const float* w = nullptr;
   const float* panels = nullptr;
   const int8_t* q = nullptr;
+  const uint8_t* blocks = nullptr;
+  int64_t qtype = 0;
   const float* scale = nullptr;
   const float* bias = nullptr;
   int64_t N = 0, K = 0;
@@ -45,7 +49,18 @@ Linear linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor&
   Linear lin;
   lin.K = K;
   TORCH_CHECK(w.is_contiguous(), "layer_bridge: ", name, " weight must be contiguous");
-  if (scale.numel()) {
+  if (w.scalar_type() == at::kByte) {
+#if KVFORGE_INT8_VNNI
+    TORCH_CHECK(scale.scalar_type() == at::kLong && scale.numel() == 1 && is_qblock_type(scale.item<int64_t>()) &&
+                    w.dim() == 2 && K % 32 == 0 && w.size(1) == K / 32 * qblock_bytes(scale.item<int64_t>()),
+                "layer_bridge: ", name, " GGUF block weight must be uint8 [N, K / 32 * block bytes] with its ggml type");
+    lin.N = w.size(0);
+    lin.qtype = scale.item<int64_t>();
+    lin.blocks = w.data_ptr<uint8_t>();
+#else
+    TORCH_CHECK(false, "layer_bridge: GGUF block weights need AVX-512 VNNI");
+#endif
+  } else if (scale.numel()) {
 #if KVFORGE_INT8_VNNI
     lin.N = scale.numel();
     TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 4 && w.size(0) == (lin.N + kTile - 1) / kTile &&
@@ -121,7 +136,7 @@ inline void share(int64_t n, int tid, int nt, int64_t* lo, int64_t* hi) {
 
 // Columns col + [r0, r1) of y [M, stride] = x [M, K] @ W rows col + [r0, r1) + bias; r0, r1 on unit_of boundaries
 // or at the end of the weight (panels: stride == N).
-void rows_of(const Linear& lin, const float* x, const QuantizedRows* xq, int64_t M, float* y, int64_t stride,
+void rows_of(const Linear& lin, const float* x, const BlockRows* xq, int64_t M, float* y, int64_t stride,
              int64_t col, int64_t r0, int64_t r1) {
   if (r0 >= r1) return;
   if (lin.panels) {
@@ -130,7 +145,8 @@ void rows_of(const Linear& lin, const float* x, const QuantizedRows* xq, int64_t
     linear_rows(x, lin.w + col * lin.K, y + col, M, lin.K, stride, r0, r1);
   } else {
 #if KVFORGE_INT8_VNNI
-    tiles(*xq, lin.q, lin.scale, y, stride, M, (col + r0) / kTile, (col + r1 + kTile - 1) / kTile);
+    if (lin.blocks) qblock_rows(*xq, lin.blocks, lin.qtype, y, stride, M, lin.K, col + r0, col + r1);
+    else tiles(xq->xq, lin.q, lin.scale, y, stride, M, (col + r0) / kTile, (col + r1 + kTile - 1) / kTile);
 #endif
   }
   if (lin.bias)
@@ -149,18 +165,21 @@ void row_share(const Linear& lin, int64_t rows, int tid, int nt, int64_t* r0, in
   *r1 = std::min(rows, u1 * unit);
 }
 
-QuantizedRows quantized(const Linear& lin, const float* x, int64_t M) {
+BlockRows quantized(const Linear& lin, const float* x, int64_t M) {
 #if KVFORGE_INT8_VNNI
-  if (lin.q) return quantize_rows(x, M, lin.K);
-#endif
+  if (lin.blocks) return quantize_block_rows(x, M, lin.K);
+  if (lin.q) return {quantize_rows(x, M, lin.K), {}};
   return {};
+#else
+  return {};
+#endif
 }
 
 // y = x @ W^T + b, this thread's share of the rows.
 void linear_share(const Linear& lin, const float* x, int64_t M, float* y, int tid, int nt) {
   int64_t r0, r1;
   row_share(lin, lin.N, tid, nt, &r0, &r1);
-  const QuantizedRows xq = quantized(lin, x, M);
+  const BlockRows xq = quantized(lin, x, M);
   rows_of(lin, x, &xq, M, y, lin.N, 0, r0, r1);
 }
 
@@ -268,7 +287,7 @@ at::Tensor layer_bridge_cpu(const c10::optional<at::Tensor>& attn_in, at::Tensor
 #pragma omp barrier
       int64_t r0, r1;  // gate rows [r0, r1) and the same up rows, then act(gate) * up of them
       row_share(gate_up, inter, tid, team, &r0, &r1);
-      const QuantizedRows hq = quantized(gate_up, h, M);
+      const BlockRows hq = quantized(gate_up, h, M);
       rows_of(gate_up, h, &hq, M, gu, 2 * inter, 0, r0, r1);
       rows_of(gate_up, h, &hq, M, gu, 2 * inter, inter, r0, r1);
       const auto gated = fam.gelu ? gelu_tanh_mul_row : silu_mul_row;

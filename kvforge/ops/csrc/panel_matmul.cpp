@@ -108,6 +108,11 @@ void panel_range(const float* x, const float* panels, const float* bias, float* 
   }
 }
 
+void panel_tiles(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t p, int64_t np) {
+  triple_rows(x, w, bias, y, M, K, N, p, np, Ahead{});
+}
+
 // int8 panels: each triple dequantized (float(q) * the column's scale, as ops/int8.py's dequantize) into `buffer`
 // (K * 48 floats, in L2), then the fp32 tiles above on it, so the result is panel_range's on the dequantized weight,
 // bit for bit, while memory carries a quarter of the bytes.

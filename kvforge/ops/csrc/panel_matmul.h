@@ -14,6 +14,9 @@ constexpr int64_t kPanelsPerTile = 3;
 // 8 rows of x at a time; each output one in-order sum over k, whatever M.
 void panel_range(const float* x, const float* panels, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
                  int64_t p0, int64_t p1);
+// The same tiles on np <= 3 panels [np, K, 16] at w (a dequantized copy of panels p..p+np-1 of W), no prefetching.
+void panel_tiles(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
+                 int64_t p, int64_t np);
 #endif
 
 }  // namespace kvforge

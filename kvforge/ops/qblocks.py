@@ -1,0 +1,163 @@
+"""Linear layers on GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), kept as the file's block bytes.
+
+A weight [N, K] is held as uint8 [N, K / 32 * block_bytes]: each row its K / 32 blocks of 32 weights, exactly as
+in the GGUF file (an fp16 scale d, for the `_1` types an fp16 offset m, then the codes). A weight is d * (code -
+offset) (+ m). `dequantize` is the exact torch reference (gguf's order of fp32 operations, so bit-identical).
+
+`kvforge::qblock_linear(x, blocks, qtype, n, bias)`, for the few rows of a decode step (csrc/qblock_matmul.cpp,
+llama.cpp's vec_dot_q4_1_q8_1 scheme): each 32-column block of x is rounded to int8 with its own scale (ops/int8.py's
+quantize_blocks, as llama.cpp's Q8_0/Q8_1 activations); per 64-column chunk (two weight blocks) 16 lanes of exact
+integer sums over 4 columns of code x activation (VNNI vpdpbusd, the code's offset undone by a per-lane
+correction), each lane times (weight block scale * activation block scale) and added into an fp32 lane, chunk
+after chunk; for `_1` types each lane also adds m * (activation block scale * the lane's integer sum of x); the 16
+lanes summed as ops/int8.py's lane_sum. `qblock_linear_reference` repeats those integers and fp32 operations in the
+same order, so the two agree bit for bit.
+
+`kvforge::qblock_panel_linear(x, blocks, qtype, n, bias)`, for more rows: the weights dequantized per panel triple
+(48 output rows) into an L2-resident fp32 buffer and multiplied by panel_matmul.cpp's tiles, fp32 activations; its
+reference is F.linear on the dequantized weight (the same values, another order of additions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from kvforge.ops.int8 import BLOCK, CHUNK, LANES, lane_sum, quantize_blocks
+
+LIB = torch.library.Library("kvforge", "FRAGMENT")
+COMPILED_ROWS = 16  # up to this many rows qblock_linear (integer dot products); more: qblock_panel_linear
+
+
+@dataclass(frozen=True)
+class BlockType:
+    qtype: Q
+    block_bytes: int
+    offset: int  # code - offset is the signed integer the scale multiplies
+    has_min: bool  # the `_1` types: an fp16 m added to every weight of the block
+    codes_at: int  # byte of the block where its codes start
+
+
+BLOCK_TYPES: dict[Q, BlockType] = {
+    Q.Q4_0: BlockType(Q.Q4_0, 18, 8, False, 2),
+    Q.Q4_1: BlockType(Q.Q4_1, 20, 0, True, 4),
+    Q.Q5_0: BlockType(Q.Q5_0, 22, 16, False, 6),
+    Q.Q5_1: BlockType(Q.Q5_1, 24, 0, True, 8),
+    Q.Q8_0: BlockType(Q.Q8_0, 34, 0, False, 2),
+}
+for _t in BLOCK_TYPES.values():
+    assert GGML_QUANT_SIZES[_t.qtype] == (BLOCK, _t.block_bytes)
+
+
+def block_type(qtype: Q | int) -> BlockType:
+    from kvforge.errors import ConfigError
+
+    try:
+        return BLOCK_TYPES[Q(qtype)]
+    except (KeyError, ValueError):
+        raise ConfigError(f"ggml type {qtype!r} is not a block type kvforge computes in place; supported: "
+                          f"{', '.join(t.name for t in BLOCK_TYPES)}") from None
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def codes(blocks: torch.Tensor, qtype: Q | int) -> torch.Tensor:
+    """[n_blocks, block_bytes] uint8 -> the signed integers (code - offset) [n_blocks, 32] as int32."""
+    t = block_type(qtype)
+    qs = blocks[:, t.codes_at:]
+    if t.qtype == Q.Q8_0:
+        return qs.contiguous().view(torch.int8).to(torch.int32)
+    q = torch.cat((qs & 0xF, qs >> 4), dim=-1).to(torch.int32)  # value j: low nibble of byte j, j + 16: high nibble
+    if t.qtype in (Q.Q5_0, Q.Q5_1):
+        qh = blocks[:, t.codes_at - 4:t.codes_at, None] >> torch.arange(8, dtype=torch.uint8)  # bit j: value j
+        q = q | ((qh & 1).reshape(-1, BLOCK).to(torch.int32) << 4)
+    return q - t.offset
+
+
+def scales(blocks: torch.Tensor, qtype: Q | int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per block: d [n_blocks] and, for the `_1` types, m [n_blocks] (fp32)."""
+    t = block_type(qtype)
+    return _f16(blocks, 0)[:, 0], (_f16(blocks, 2)[:, 0] if t.has_min else None)
+
+
+def dequantize(blocks: torch.Tensor, qtype: Q | int) -> torch.Tensor:
+    """A weight's block bytes [N, K / 32 * block_bytes] -> fp32 [N, K], as gguf.quants.dequantize computes it."""
+    t = block_type(qtype)
+    n = blocks.shape[0]
+    flat = blocks.reshape(-1, t.block_bytes)
+    d, m = scales(flat, qtype)
+    w = d[:, None] * codes(flat, qtype).float()
+    return (w if m is None else w + m[:, None]).reshape(n, -1)
+
+
+def rows_of(blocks: torch.Tensor, qtype: Q | int, index: torch.Tensor) -> torch.Tensor:
+    """The fp32 rows `index` (any shape) of a block weight: an embedding lookup that dequantizes only those rows."""
+    return dequantize(blocks[index.reshape(-1)], qtype).view(*index.shape, -1)
+
+
+def qblock_linear_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The operator's definition (see the module docstring): x [M, K] fp32, blocks [n, K / 32 * block_bytes]."""
+    t = block_type(qtype)
+    rows, k = x.shape
+    xq, dx = quantize_blocks(x)  # [M, K'] integers as fp32 (K' = K rounded up to 64), [M, K' / 32]
+    width = xq.shape[1]
+    chunks, nblocks = width // CHUNK, width // BLOCK
+    flat = blocks.reshape(n * (k // BLOCK), t.block_bytes)
+    w = F.pad(codes(flat, qtype).view(n, k), (0, width - k)).double().view(n, chunks, LANES, 4)
+    d, m = scales(flat, qtype)
+    d = F.pad(d.view(n, -1), (0, nblocks - k // BLOCK))
+    dots = torch.einsum("mclj,nclj->mncl", xq.double().view(rows, chunks, LANES, 4), w).float()
+    per_lane = BLOCK // 4
+    lane_d = d.repeat_interleave(per_lane, dim=1).view(1, n, chunks, LANES)
+    lane_dx = dx.repeat_interleave(per_lane, dim=1).view(rows, 1, chunks, LANES)
+    scale = lane_d * lane_dx
+    if m is not None:
+        lane_m = F.pad(m.view(n, -1), (0, nblocks - k // BLOCK)).repeat_interleave(per_lane, dim=1)
+        lane_m = lane_m.view(1, n, chunks, LANES)
+        lane_sx = lane_dx * xq.view(rows, 1, chunks, LANES, 4).sum(-1)  # activation scale * lane's sum of x codes
+    acc = torch.zeros(rows, n, LANES)
+    for c in range(chunks):
+        acc = acc + dots[:, :, c] * scale[:, :, c]
+        if m is not None:
+            acc = acc + lane_m[:, :, c] * lane_sx[:, :, c]
+    out = lane_sum(acc)
+    return out if bias is None else out + bias
+
+
+def qblock_panel_linear_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int,
+                                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, dequantize(blocks, qtype), bias)
+
+
+LIB.define("qblock_linear(Tensor x, Tensor blocks, int qtype, int n, Tensor? bias) -> Tensor")
+LIB.impl("qblock_linear", qblock_linear_reference, "CompositeExplicitAutograd")
+LIB.define("qblock_panel_linear(Tensor x, Tensor blocks, int qtype, int n, Tensor? bias) -> Tensor")
+LIB.impl("qblock_panel_linear", qblock_panel_linear_reference, "CompositeExplicitAutograd")
+
+
+def compiled_for(x: torch.Tensor) -> bool:
+    """Whether the compiled kernels serve input x (fp32 on the CPU, built, the CPU has AVX-512 VNNI)."""
+    from kvforge.ops.build import disabled, has_cpu_kernel
+
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
+            and not disabled() and has_cpu_kernel("kvforge::qblock_linear"))
+
+
+def qblock_linear(x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32 -> [..., N] on a block weight: integer dot products for a few rows, dequantized panel tiles
+    for more (each the compiled kernel where built, else its torch reference)."""
+    k, n = x.shape[-1], blocks.shape[0]
+    flat = x.reshape(-1, k)
+    few = flat.shape[0] <= COMPILED_ROWS
+    if compiled_for(x):
+        op = torch.ops.kvforge.qblock_linear if few else torch.ops.kvforge.qblock_panel_linear
+        out = op.default(flat, blocks, int(qtype), n, bias)
+    else:
+        out = (qblock_linear_reference if few else qblock_panel_linear_reference)(flat, blocks, int(qtype), n, bias)
+    return out.view(*x.shape[:-1], n)
