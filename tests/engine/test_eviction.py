@@ -72,6 +72,8 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
             policy.observe(state, attn if policy.scope == "head" else attn.sum(1, keepdim=True))
         elif rows:
             policy.observe(state, attn_sum[-rows:] / attn_sum[-rows:].sum(-1, keepdim=True))
+        if policy.reads_keys:  # keys as cached: rotated at their logical positions
+            state.keys = torch.stack([_rope(k, lp, inv_freq).transpose(0, 1) for k, lp in zip(keys, logical)])
         keep = policy.keep(SequenceView(computed - evicted, computed, len(tokens), state))
         if keep is not None:
             state.grow(computed - evicted)
@@ -102,7 +104,11 @@ CASES = [("streaming", {"budget": 24, "sinks": 4, "slack": 8}, True),
          ("h2o", {"budget": 24, "slack": 8, "recent": 8, "weight": "value"}, False),
          ("scissorhands", {"budget": 24, "slack": 8, "history": 20}, False),
          ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "weight": "value"}, False),
-         ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "scope": "sequence"}, False)]
+         ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "scope": "sequence"}, False),
+         ("keydiff", {"budget": 24, "slack": 8, "recent": 4}, False),  # scope "head"
+         ("keydiff", {"budget": 24, "slack": 8, "recent": 0.25, "sinks": 0, "scope": "layer"}, False),
+         ("tova", {"budget": 24, "slack": 8}, False),  # scope "layer"
+         ("tova", {"budget": 24, "slack": 0, "sinks": 2, "scope": "head"}, False)]
 
 
 @pytest.mark.parametrize("chunk", [1, 7])
@@ -148,7 +154,7 @@ def _generate_peak(engine, prompt, max_tokens) -> tuple[list[int], int]:
     return out.token_ids, peak
 
 
-@pytest.mark.parametrize("name", ["window", "streaming", "h2o", "scissorhands"])
+@pytest.mark.parametrize("name", ["window", "streaming", "h2o", "scissorhands", "keydiff", "tova"])
 def test_eviction_frees_blocks(tiny_loaded, name):
     full = _engine(tiny_loaded, max_num_batched_tokens=16)
     full_ids, _ = _generate_peak(full, list(range(1, 40)), 120)

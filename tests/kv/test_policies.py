@@ -137,3 +137,34 @@ def test_bad_options_are_config_errors(name, options):
 
 def test_default_policy_is_full():
     assert build_policy(None).name == "full" and not build_policy(None).evicts
+
+
+def test_keydiff_keeps_the_keys_least_like_the_mean():
+    """Four keys along one direction and two off it: the two off it stay, with the newest (recent 1)."""
+    p = build_policy("keydiff", {"budget": 3, "recent": 1, "sinks": 0, "slack": 0})
+    keys = torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.0, 1.0], [1.0, 0.0], [-1.0, 0.2], [1.0, 0.05]])
+    state = PolicyState(keys=keys[None, None])  # [layers, heads, keys, dim]
+    assert p.keep(_seq(6, state=state)).tolist() == [[[2, 4, 5]]]
+    two_heads = PolicyState(keys=torch.stack([keys, keys.flip(0)])[None])  # head 1 sees the keys reversed
+    assert p.keep(_seq(6, state=two_heads)).tolist() == [[[2, 4, 5], [1, 3, 5]]]
+
+
+def test_keydiff_without_keys_is_an_error_and_options_are_checked():
+    with pytest.raises(ValueError, match="PolicyState.keys"):
+        build_policy("keydiff", {"budget": 2, "slack": 0}).keep(_seq(4))
+    with pytest.raises(ConfigError, match="recent"):
+        build_policy("keydiff", {"budget": 2, "recent": 1.5})
+    with pytest.raises(ConfigError, match="scope"):
+        build_policy("keydiff", {"budget": 2, "scope": "sequence"})
+
+
+def test_tova_ranks_by_the_newest_query_only():
+    """Token 1 had the most attention earlier; the newest query ignores it, so it goes."""
+    p, state = build_policy("tova", {"budget": 3, "slack": 0}), PolicyState()
+    p.observe(state, torch.tensor([[[[0.1, 0.8, 0.1, 0.0, 0.0]]]]))
+    p.observe(state, torch.tensor([[[[0.2, 0.0, 0.3, 0.1, 0.4], [0.4, 0.0, 0.3, 0.1, 0.2]]]]))  # two rows: the last counts
+    assert p.keep(_seq(5, state=state)).tolist() == [[[0, 2, 4]]]
+    assert build_policy("tova", {"budget": 3, "slack": 0, "sinks": 1, "recent": 0}).keep(_seq(5, state=state)).tolist() \
+        == [[[0, 2, 4]]]
+    with pytest.raises(ConfigError, match="sinks"):
+        build_policy("tova", {"budget": 3, "sinks": -1})

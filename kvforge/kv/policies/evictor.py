@@ -5,6 +5,7 @@ import time
 
 from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView
 from kvforge.kv.policies.compact import compact
+from kvforge.kv.policies.keys import key_rows
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.policies.values import value_norms
 
@@ -72,6 +73,8 @@ class Evictor:
                     self.policy.observe(view.state, attn / attn.sum(-1, keepdim=True))
             if self.policy.weighs_values:
                 self._record_values(seq, view.state, view.cache_len, 0)
+            if self.policy.reads_keys and self.policy.should_compact(view):
+                view.state.keys = key_rows(self.kv, seq, view.cache_len)
             keep = self.policy.keep(view)
             if keep is None:
                 continue
