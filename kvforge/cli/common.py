@@ -81,7 +81,8 @@ def format_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_policy_options(g) -> None:
-    g.add_argument("--kv-policy", default=None, choices=["full", "window", "streaming", "h2o", "scissorhands", "snapkv", "keydiff", "tova"],
+    g.add_argument("--kv-policy", default=None, choices=["full", "window", "streaming", "h2o", "scissorhands", "snapkv", "keydiff", "tova",
+                                                           "expected_attention"],
                    help="KV eviction policy, on full-attention layers (default: full; sliding-window layers "
                         "free what falls behind their window anyway)")
     g.add_argument("--budget", type=_budget, default=None,

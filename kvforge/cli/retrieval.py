@@ -5,6 +5,7 @@ import json
 import sys
 
 from kvforge.cli.common import add_policy_options, policy_kwargs
+from kvforge.eval.panel import parse_variant
 from kvforge.eval.passkey import technique_label
 from kvforge.eval.retrieval import DEFAULT_LENGTHS, format_retrieval, retrieval_eval
 from kvforge.eval.retrieval_tasks import TASKS
@@ -23,6 +24,9 @@ def register_retrieval(esub) -> None:
     p.add_argument("--questions", type=int, default=4, help="needles asked per context in niah_multikey (default: 4)")
     p.add_argument("--chunk-size", type=int, default=64, help="tokens per forward; policies compact between chunks")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated cases (default: 0)")
+    p.add_argument("--variant", action="append", default=[], metavar="SPEC",
+                   help="also score FORMAT[+POLICY:BUDGET[:OPTIONS]] on the same cases, e.g. 'fp32+keydiff:0.5' "
+                        "(repeatable; beside --kv-policy / --kv-dtype)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (default: bars when stderr is a terminal)")
     add_policy_options(p)
@@ -47,12 +51,16 @@ def run_retrieval(args) -> int:
     if max(lengths) > loaded.config.max_position_embeddings:
         raise ConfigError(f"--lengths: {max(lengths)} tokens exceed the model's context of "
                           f"{loaded.config.max_position_embeddings}")
-    r = retrieval_eval(loaded, tasks, lengths, args.contexts, args.questions, args.chunk_size, args.seed,
-                       progress=not args.no_progress and default_enabled(), kv_cache_dtype=args.kv_dtype,
-                       **policy_kwargs(args))
+    variants = {v.label: v.options for v in map(parse_variant, args.variant)}
+    if args.kv_policy or args.kv_dtype != "fp32":
+        variants[technique_label(args.kv_dtype, args.kv_policy, args.budget)] = {"kv_cache_dtype": args.kv_dtype,
+                                                                                 **policy_kwargs(args)}
+    r = retrieval_eval(loaded, tasks, lengths, args.contexts, args.questions, args.chunk_size, args.seed, variants,
+                       progress=not args.no_progress and default_enabled(),
+                       log=None if args.json else (lambda m: print(m, file=sys.stderr, flush=True)))
     if args.json:
         json.dump(r, sys.stdout, indent=2)
         print()
         return 0
-    print(format_retrieval(r, technique_label(args.kv_dtype, args.kv_policy, args.budget)))
+    print(format_retrieval(r))
     return 0

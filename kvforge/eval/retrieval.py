@@ -89,43 +89,42 @@ def retrieval_scores(engine, tokenizer, cases, chunk_size: int, progress: str | 
 
 def retrieval_eval(loaded, tasks: list[str] | None = None, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
                    contexts: int = 2, questions: int = 4, chunk_size: int = 64, seed: int = 0,
-                   progress: bool = False, **options) -> dict:
-    """Accuracy of the full fp32 cache (the ceiling) and of `options` (kv_policy, kv_cache_dtype, ...) on the same
-    generated cases; tasks the full cache does not solve are marked, not used to rank."""
+                   variants: dict[str, dict] | None = None, progress: bool = False, log=None) -> dict:
+    """Accuracy of the full fp32 cache (the ceiling) and of each variant (label -> engine options: kv_policy,
+    kv_cache_dtype, ...) on the same generated cases; tasks the full cache does not solve are marked, not ranked."""
     from kvforge.eval.ppl import engine_for
 
     tasks = tasks or list(TASKS)
     cases = make_cases(loaded.tokenizer, tasks, list(lengths), contexts, questions, seed)
     longest = max(len(encode_case(loaded.tokenizer, c, ctx)[0]) for _, _, c, ctx in cases)
     result = {"tasks": tasks, "lengths": list(lengths), "contexts": contexts, "questions": questions,
-              "chunk_size": chunk_size, "seed": seed, "options": options, "filler": list(FILLER_TEXTS)}
-    for label, opts in (("full", {}), ("policy", options)):
-        if label == "policy" and not options.get("kv_policy") and options.get("kv_cache_dtype", "fp32") == "fp32":
-            break
+              "chunk_size": chunk_size, "seed": seed, "filler": list(FILLER_TEXTS), "variants": {}}
+    for label, opts in (("full", {}), *(variants or {}).items()):
         engine = engine_for(loaded, longest, **opts)
-        result[label] = retrieval_scores(engine, loaded.tokenizer, cases, chunk_size,
-                                         f"retrieval, {label}" if progress else None)
-        result[f"{label}_peak_kv_bytes"] = engine.kv.peak_blocks_used * engine.kv.block_bytes
-    result["solved"] = {t: {n: a >= SOLVED for n, a in by.items()} for t, by in result["full"].items()}
-    if "policy" in result:
-        result["relative"] = {t: {n: (result["policy"][t][n] / a if a else None) for n, a in by.items()}
-                              for t, by in result["full"].items()}
+        scores = retrieval_scores(engine, loaded.tokenizer, cases, chunk_size, f"retrieval, {label}" if progress else None)
+        row = {"options": opts, "accuracy": scores, "peak_kv_bytes": engine.kv.peak_blocks_used * engine.kv.block_bytes}
+        if label == "full":
+            result["full"] = row
+            result["solved"] = {t: {n: a >= SOLVED for n, a in by.items()} for t, by in scores.items()}
+        else:
+            full = result["full"]["accuracy"]
+            row["relative"] = {t: {n: (a / full[t][n] if full[t][n] else None) for n, a in by.items()}
+                               for t, by in scores.items()}
+            result["variants"][label] = row
+        if log:
+            log(f"{label}: " + ", ".join(f"{t} {n} {a:.2f}" for t, by in scores.items() for n, a in by.items()))
     return result
 
 
-def format_retrieval(r: dict, technique: str) -> str:
-    """One row per task and length: full cache, technique, ratio; unsolved tasks marked."""
-    has = "policy" in r
-    title = (f"retrieval: {r['contexts']} contexts per task and length, questions after one context, exact match "
-             f"(filler: {', '.join(r['filler'])})")
-    lines = [title,
-             f"{'task':<18} {'tokens':>6} {'full':>6}" + (f" {technique:>24} {'ratio':>6}" if has else "")]
-    for t, by in r["full"].items():
+def format_retrieval(r: dict) -> str:
+    """One row per task and length: the full cache, then each variant's accuracy; unsolved tasks marked."""
+    labels = list(r["variants"])
+    width = max([8, *map(len, labels)])
+    title = (f"retrieval: {r['contexts']} contexts per task and length, several questions after one context, exact "
+             f"match (filler: {', '.join(r['filler'])})")
+    lines = [title, f"{'task':<18} {'tokens':>6} {'full':>6}" + "".join(f" {v:>{width}}" for v in labels)]
+    for t, by in r["full"]["accuracy"].items():
         for n, a in by.items():
-            row = f"{t:<18} {n:>6} {a:>6.2f}"
-            if has:
-                p, rel = r["policy"][t][n], r["relative"][t][n]
-                row += f" {p:>24.2f} {rel if rel is not None else float('nan'):>6.2f}"
+            row = f"{t:<18} {n:>6} {a:>6.2f}" + "".join(f" {r['variants'][v]['accuracy'][t][n]:>{width}.2f}" for v in labels)
             lines.append(row + ("" if r["solved"][t][n] else "   (full cache < 0.8: not solved, not ranked)"))
     return "\n".join(lines)
-

@@ -44,7 +44,7 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
         logical = [torch.cat([lp, torch.arange(start, start + n)[:, None].expand(n, heads)]) for lp in logical]
         x = model.model.embed_tokens(ids)
         rows = policy.attention_rows(SequenceView(c, computed, len(tokens), state), n)
-        attn_sum, per_layer = torch.zeros(n, c + n), []
+        attn_sum, per_layer, queries = torch.zeros(n, c + n), [], []
         for li, layer in enumerate(layers):
             att, h = layer.self_attn, layer.input_layernorm(x)
             pos = torch.arange(c + n) if rope_by_cache else logical[li]
@@ -54,7 +54,9 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
             k = _rope(keys[li], pos, inv_freq).repeat_interleave(group, 1)
             v = vals[li].repeat_interleave(group, 1)
             q_pos = torch.arange(c, c + n) if rope_by_cache else torch.arange(start, start + n)
-            scores = torch.einsum("qhd,khd->hqk", _rope(q, q_pos, inv_freq), k) / math.sqrt(cfg.head_dim)
+            q = _rope(q, q_pos, inv_freq)
+            queries.append(q[n - rows:].transpose(0, 1))
+            scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(cfg.head_dim)
             causal = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
             probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
             by_kv_head = probs.unflatten(0, (heads, group))
@@ -67,6 +69,8 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
         computed += n
         if policy.weighs_values:
             state.set_values(0, torch.stack([v.abs().sum(-1).T for v in vals]))
+        if rows and policy.needs_queries:
+            policy.observe_queries(state, torch.stack(queries), torch.arange(start + n - rows, start + n), inv_freq)
         if rows and policy.per_layer:
             attn = torch.stack(per_layer)[:, :, -rows:]
             policy.observe(state, attn if policy.scope == "head" else attn.sum(1, keepdim=True))
@@ -108,7 +112,9 @@ CASES = [("streaming", {"budget": 24, "sinks": 4, "slack": 8}, True),
          ("keydiff", {"budget": 24, "slack": 8, "recent": 4}, False),  # scope "head"
          ("keydiff", {"budget": 24, "slack": 8, "recent": 0.25, "sinks": 0, "scope": "layer"}, False),
          ("tova", {"budget": 24, "slack": 8}, False),  # scope "layer"
-         ("tova", {"budget": 24, "slack": 0, "sinks": 2, "scope": "head"}, False)]
+         ("tova", {"budget": 24, "slack": 0, "sinks": 2, "scope": "head"}, False),
+         ("expected_attention", {"budget": 24, "slack": 8, "window": 16, "future": 32}, False),
+         ("expected_attention", {"budget": 24, "slack": 8, "covariance": False, "recent": 0, "sinks": 0}, False)]
 
 
 @pytest.mark.parametrize("chunk", [1, 7])
@@ -154,7 +160,7 @@ def _generate_peak(engine, prompt, max_tokens) -> tuple[list[int], int]:
     return out.token_ids, peak
 
 
-@pytest.mark.parametrize("name", ["window", "streaming", "h2o", "scissorhands", "keydiff", "tova"])
+@pytest.mark.parametrize("name", ["window", "streaming", "h2o", "scissorhands", "keydiff", "tova", "expected_attention"])
 def test_eviction_frees_blocks(tiny_loaded, name):
     full = _engine(tiny_loaded, max_num_batched_tokens=16)
     full_ids, _ = _generate_peak(full, list(range(1, 40)), 120)

@@ -29,6 +29,9 @@ class PolicyState:
     pending: bool = False  # snapkv: votes are in, the prompt is compressed at the next keep()
     selected: bool = False  # snapkv: the prompt was compressed
     keys: torch.Tensor | None = None  # [layers, heads, cache_len, dim] cached keys, read just before a compaction (keydiff)
+    queries: torch.Tensor | None = None  # [layers, query heads, window, dim] recent queries (expected_attention)
+    query_positions: torch.Tensor | None = None  # [window] their RoPE positions
+    inv_freq: torch.Tensor | None = None  # the model's RoPE frequencies, with the queries
 
     def grow(self, length: int, lead: tuple[int, ...] = ()) -> None:
         """Pad every statistic to `length` cache indices; `lead` (layers, heads) shapes new per-layer ones."""
@@ -123,6 +126,11 @@ class KVPolicy:
     @property
     def weighs_values(self) -> bool:
         """The policy's scores need value-row norms (the Evictor records them in PolicyState.values)."""
+        return False
+
+    @property
+    def needs_queries(self) -> bool:
+        """observe_queries gets the asked rows' queries (after RoPE) per layer, with their positions."""
         return False
 
     @property

@@ -19,7 +19,8 @@ class KeyDiffPolicy(KVPolicy):
     at each compaction, so decode keeps the compiled attention operator (no attention weights are recorded).
 
     recent: tokens always kept at the end, a count or a fraction of the budget (the paper scores every token;
-        a running budget keeps the newest ones, which the next queries need most).
+        a running budget keeps the newest ones, which the next queries need most). On SmolLM2-135M at a running
+        50% (1,024 tokens of hamlet and merry-wives) 0.75 measured best: worst +10.4% against +12.4% at 0.5.
     sinks: the first tokens, always kept (StreamingLLM's attention sinks).
     scope: "head" (each layer and KV head keeps its own keys, the paper) or "layer" (scores summed over heads).
     """
@@ -27,7 +28,7 @@ class KeyDiffPolicy(KVPolicy):
     name = "keydiff"
     default_budget = 0.5  # when no budget is given
     scopes = ("layer", "head")
-    recent: int | float = 0.25
+    recent: int | float = 0.75
     sinks: int = 4
     scope: str = "head"
 
@@ -52,7 +53,8 @@ class KeyDiffPolicy(KVPolicy):
         if self.scope == "layer":
             scores = scores.sum(1, keepdim=True)
         state.scores = scores  # compacts with the rows (recomputed at the next compaction)
-        return top_with_recent(scores, budget, self.num_recent(budget), min(self.sinks, budget))
+        sinks = min(self.sinks, budget)
+        return top_with_recent(scores, budget, min(self.num_recent(budget), budget - sinks), sinks)
 
 
 def key_diversity(keys: torch.Tensor) -> torch.Tensor:

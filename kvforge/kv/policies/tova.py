@@ -17,15 +17,16 @@ class TOVAPolicy(KVPolicy):
     attention counts (nothing accumulates). slack 0 is the paper's one token per step; the default slack (16)
     compacts after a few tokens, by the attention of the step's last query.
 
-    sinks: the first tokens, always kept (default 0, the paper's). recent: newest tokens always kept (default 1:
-        the current token). scope: "layer" (the paper: heads averaged) or "head" (each KV head keeps its own).
+    sinks: the first tokens, always kept (the paper keeps none; 4 measured better on SmolLM2-135M at a running 50%,
+        merry-wives 1,024 tokens: +14.7% against +21.2%). recent: newest tokens always kept (default 1: the current
+        token). scope: "layer" (the paper: heads averaged) or "head" (each KV head keeps its own).
     """
 
     name = "tova"
     default_budget = 0.5  # when no budget is given
     needs_attention = True
     scopes = ("layer", "head")
-    sinks: int = 0
+    sinks: int = 4
     recent: int = 1
     scope: str = "layer"
 
@@ -47,4 +48,5 @@ class TOVAPolicy(KVPolicy):
         scores = state.scores[..., :length]
         if scores.dim() == 1:  # no attention seen yet (the first step under budget + slack): keep the newest
             scores = torch.arange(length, dtype=torch.float32)
-        return top_with_recent(scores, budget, min(self.recent, budget), min(self.sinks, budget))
+        sinks = min(self.sinks, budget)
+        return top_with_recent(scores, budget, min(self.recent, budget - sinks), sinks)
