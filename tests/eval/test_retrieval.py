@@ -1,6 +1,7 @@
 """Retrieval suite: generated cases hold their answers; teacher-forced exact match equals greedy generation."""
 from __future__ import annotations
 
+import json
 import random
 from itertools import pairwise
 
@@ -73,3 +74,16 @@ def test_variable_tracking_chains_assign_in_order():
     for q in case.questions:
         names = q.answer.strip().split(", ")
         assert first[names[0]].isdigit() and all(first[b] == a for a, b in pairwise(names))
+
+
+def test_cli_scores_every_variant_on_the_same_cases_beside_the_full_cache(capsys):
+    rc = main(["eval", "retrieval", "--tasks", "niah_single", "--lengths", "256", "--contexts", "2", "--no-progress",
+               "--variant", "fp32+keydiff:0.5", "--kv-policy", "snapkv", "--budget", "0.5", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert list(r["variants"]) == ["fp32+keydiff:0.5", "fp32 snapkv 0.5"]
+    full = r["full"]["accuracy"]["niah_single"]["256"]
+    for v in r["variants"].values():
+        acc = v["accuracy"]["niah_single"]["256"]
+        assert acc in (0.0, 0.5, 1.0) and v["relative"]["niah_single"]["256"] == (acc / full if full else None)
+        assert v["peak_kv_bytes"] < r["full"]["peak_kv_bytes"]  # the compressed caches held fewer blocks

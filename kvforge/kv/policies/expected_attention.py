@@ -20,7 +20,9 @@ class ExpectedAttentionPolicy(KVPolicy):
     contribution stay, per layer and KV head. kvpress takes the statistics of the hidden states and projects them;
     the queries themselves are what the engine has at hand, so their mean and covariance stand in.
 
-    window: recent queries the statistics come from. future: positions ahead the rotation is averaged over.
+    window: recent queries the statistics come from. future: positions ahead the rotation is averaged over (kvpress:
+        512). On SmolLM2-135M at a running 50% (1,024 tokens of hamlet and merry-wives, worst text) window 256 and
+        future 128 measured best: +5.39% against +8.66% for 64 and 512 (H2O: +9.73%).
     covariance: add the k'Sk term (False: the mean query alone). sinks / recent: first and newest tokens always
     kept (recent: a count or a fraction of the budget).
     """
@@ -29,8 +31,8 @@ class ExpectedAttentionPolicy(KVPolicy):
     default_budget = 0.5  # when no budget is given
     needs_attention = True
     scopes = ("head",)
-    window: int = 64
-    future: int = 512
+    window: int = 256
+    future: int = 128
     covariance: bool = True
     sinks: int = 4
     recent: int | float = 0.25
