@@ -113,7 +113,8 @@ def expected_attention(queries: torch.Tensor, positions: torch.Tensor, inv_freq:
     d = queries.shape[-1]
     logits = torch.einsum("lhnd,lhd->lhn", k, mean) / d ** 0.5
     if covariance and turned.shape[2] > 1:
-        centered = (turned - mean[:, :, None]) / (turned.shape[2] - 1) ** 0.5  # k'Sk = |centered @ k|^2
-        logits = logits + torch.einsum("lhwd,lhnd->lhwn", centered, k).square().sum(2) / (2 * d)
+        centered = turned - mean[:, :, None]
+        cov = centered.transpose(-1, -2) @ centered / (turned.shape[2] - 1)  # [L, H, d, d]
+        logits = logits + ((k @ cov) * k).sum(-1) / (2 * d)
     probs = torch.softmax(logits, dim=-1)
     return probs.unflatten(1, (keys.shape[1], group)).mean(2)
