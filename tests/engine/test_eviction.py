@@ -235,3 +235,18 @@ def test_per_head_scope_keeps_different_rows_per_head(tiny_loaded, monkeypatch):
     shared = position_logits(_engine(tiny_loaded, "scissorhands", {**options, "scope": "sequence"}), TOKENS,
                              chunk_size=7)
     assert (per_head[60:] - shared[60:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name,compiled", [("keydiff", True), ("h2o", False)])
+def test_keydiff_decodes_on_the_compiled_operator(tiny_loaded, monkeypatch, name, compiled):
+    """keydiff reads cached keys at compaction and asks for no attention weights, so decode steps keep the compiled
+    operator; h2o needs the softmax rows, so its decode runs the torch path."""
+    from kvforge import attention
+
+    calls = []
+    real = attention._short_rows_compiled
+    monkeypatch.setattr(attention, "_short_rows_compiled", lambda *a: calls.append(1) or real(*a))
+    engine = _engine(tiny_loaded, name, {"budget": 16, "slack": 4})
+    ids, _ = _generate_peak(engine, list(range(1, 20)), 24)
+    assert len(ids) == 24 and engine.stats()["kv_evicted_tokens"] > 0
+    assert bool(calls) == compiled
