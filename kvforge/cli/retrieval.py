@@ -57,7 +57,7 @@ def run_retrieval(args) -> int:
                                                                                  **policy_kwargs(args)}
     r = retrieval_eval(loaded, tasks, lengths, args.contexts, args.questions, args.chunk_size, args.seed, variants,
                        progress=not args.no_progress and default_enabled(),
-                       log=None if args.json else (lambda m: print(m, file=sys.stderr, flush=True)))
+                       log=lambda m: print(m, file=sys.stderr, flush=True))  # one line per technique, on stderr
     if args.json:
         json.dump(r, sys.stdout, indent=2)
         print()
