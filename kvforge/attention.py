@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kv.layer_format import LayerKV
-from kvforge.kv.policies.stats import AttentionStats, record_multi, record_prefill, reduce_query_heads
+from kvforge.kv.policies.stats import AttentionStats, record_multi, record_prefill, record_queries, reduce_query_heads
 from kvforge.ops import paged_attend, paged_decode
 
 DECODE_BUCKETS = 4
@@ -168,6 +168,8 @@ def attend(q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: floa
     attn_logit_softcapping) bounds the scaled scores to softcap * tanh(scores / softcap); the compiled operators
     have no soft-capping, so such layers run the torch path, as do KV policies (they read probabilities)."""
     out = None
+    if meta.stats is not None and meta.stats.wants_queries:
+        record_queries(meta.stats, q, meta.query_start_loc, meta.query_lens, meta.positions)
     compiled = _short_rows_compiled(q, cache, meta, scale) if not (meta.stats or softcap) else None
     if compiled is not None:
         q_index, dec = compiled

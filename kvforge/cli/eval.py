@@ -6,6 +6,7 @@ import sys
 
 from kvforge.cli.common import add_format_options, add_policy_options, format_kwargs, policy_kwargs
 from kvforge.cli.passkey import register_passkey
+from kvforge.cli.retrieval import register_retrieval
 
 
 def register(sub) -> None:
@@ -43,6 +44,7 @@ def register(sub) -> None:
                             "(default: none)")
     ppl.set_defaults(func=run_ppl)
     register_passkey(esub)
+    register_retrieval(esub)
 
 
 DEFAULT_TECHNIQUE = "int8"

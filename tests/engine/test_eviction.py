@@ -44,7 +44,7 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
         logical = [torch.cat([lp, torch.arange(start, start + n)[:, None].expand(n, heads)]) for lp in logical]
         x = model.model.embed_tokens(ids)
         rows = policy.attention_rows(SequenceView(c, computed, len(tokens), state), n)
-        attn_sum, per_layer = torch.zeros(n, c + n), []
+        attn_sum, per_layer, queries = torch.zeros(n, c + n), [], []
         for li, layer in enumerate(layers):
             att, h = layer.self_attn, layer.input_layernorm(x)
             pos = torch.arange(c + n) if rope_by_cache else logical[li]
@@ -54,7 +54,9 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
             k = _rope(keys[li], pos, inv_freq).repeat_interleave(group, 1)
             v = vals[li].repeat_interleave(group, 1)
             q_pos = torch.arange(c, c + n) if rope_by_cache else torch.arange(start, start + n)
-            scores = torch.einsum("qhd,khd->hqk", _rope(q, q_pos, inv_freq), k) / math.sqrt(cfg.head_dim)
+            q = _rope(q, q_pos, inv_freq)
+            queries.append(q[n - rows:].transpose(0, 1))
+            scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(cfg.head_dim)
             causal = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
             probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
             by_kv_head = probs.unflatten(0, (heads, group))
@@ -67,11 +69,15 @@ def naive_logits(model, tokens: list[int], policy, chunk: int, rope_by_cache: bo
         computed += n
         if policy.weighs_values:
             state.set_values(0, torch.stack([v.abs().sum(-1).T for v in vals]))
+        if rows and policy.needs_queries:
+            policy.observe_queries(state, torch.stack(queries), torch.arange(start + n - rows, start + n), inv_freq)
         if rows and policy.per_layer:
             attn = torch.stack(per_layer)[:, :, -rows:]
             policy.observe(state, attn if policy.scope == "head" else attn.sum(1, keepdim=True))
         elif rows:
             policy.observe(state, attn_sum[-rows:] / attn_sum[-rows:].sum(-1, keepdim=True))
+        if policy.reads_keys:  # keys as cached: rotated at their logical positions
+            state.keys = torch.stack([_rope(k, lp, inv_freq).transpose(0, 1) for k, lp in zip(keys, logical)])
         keep = policy.keep(SequenceView(computed - evicted, computed, len(tokens), state))
         if keep is not None:
             state.grow(computed - evicted)
@@ -102,7 +108,13 @@ CASES = [("streaming", {"budget": 24, "sinks": 4, "slack": 8}, True),
          ("h2o", {"budget": 24, "slack": 8, "recent": 8, "weight": "value"}, False),
          ("scissorhands", {"budget": 24, "slack": 8, "history": 20}, False),
          ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "weight": "value"}, False),
-         ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "scope": "sequence"}, False)]
+         ("scissorhands", {"budget": 24, "slack": 8, "history": 20, "scope": "sequence"}, False),
+         ("keydiff", {"budget": 24, "slack": 8, "recent": 4}, False),  # scope "head"
+         ("keydiff", {"budget": 24, "slack": 8, "recent": 0.25, "sinks": 0, "scope": "layer"}, False),
+         ("tova", {"budget": 24, "slack": 8}, False),  # scope "layer"
+         ("tova", {"budget": 24, "slack": 0, "sinks": 2, "scope": "head"}, False),
+         ("expected_attention", {"budget": 24, "slack": 8, "window": 16, "future": 32}, False),
+         ("expected_attention", {"budget": 24, "slack": 8, "covariance": False, "recent": 0, "sinks": 0}, False)]
 
 
 @pytest.mark.parametrize("chunk", [1, 7])
@@ -148,7 +160,7 @@ def _generate_peak(engine, prompt, max_tokens) -> tuple[list[int], int]:
     return out.token_ids, peak
 
 
-@pytest.mark.parametrize("name", ["window", "streaming", "h2o", "scissorhands"])
+@pytest.mark.parametrize("name", ["window", "streaming", "h2o", "scissorhands", "keydiff", "tova", "expected_attention"])
 def test_eviction_frees_blocks(tiny_loaded, name):
     full = _engine(tiny_loaded, max_num_batched_tokens=16)
     full_ids, _ = _generate_peak(full, list(range(1, 40)), 120)
@@ -223,3 +235,18 @@ def test_per_head_scope_keeps_different_rows_per_head(tiny_loaded, monkeypatch):
     shared = position_logits(_engine(tiny_loaded, "scissorhands", {**options, "scope": "sequence"}), TOKENS,
                              chunk_size=7)
     assert (per_head[60:] - shared[60:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name,compiled", [("keydiff", True), ("h2o", False)])
+def test_keydiff_decodes_on_the_compiled_operator(tiny_loaded, monkeypatch, name, compiled):
+    """keydiff reads cached keys at compaction and asks for no attention weights, so decode steps keep the compiled
+    operator; h2o needs the softmax rows, so its decode runs the torch path."""
+    from kvforge import attention
+
+    calls = []
+    real = attention._short_rows_compiled
+    monkeypatch.setattr(attention, "_short_rows_compiled", lambda *a: calls.append(1) or real(*a))
+    engine = _engine(tiny_loaded, name, {"budget": 16, "slack": 4})
+    ids, _ = _generate_peak(engine, list(range(1, 20)), 24)
+    assert len(ids) == 24 and engine.stats()["kv_evicted_tokens"] > 0
+    assert bool(calls) == compiled

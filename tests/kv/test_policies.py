@@ -137,3 +137,72 @@ def test_bad_options_are_config_errors(name, options):
 
 def test_default_policy_is_full():
     assert build_policy(None).name == "full" and not build_policy(None).evicts
+
+
+def test_keydiff_keeps_the_keys_least_like_the_mean():
+    """Four keys along one direction and two off it: the two off it stay, with the newest (recent 1)."""
+    p = build_policy("keydiff", {"budget": 3, "recent": 1, "sinks": 0, "slack": 0})
+    keys = torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.0, 1.0], [1.0, 0.0], [-1.0, 0.2], [1.0, 0.05]])
+    state = PolicyState(keys=keys[None, None])  # [layers, heads, keys, dim]
+    assert p.keep(_seq(6, state=state)).tolist() == [[[2, 4, 5]]]
+    two_heads = PolicyState(keys=torch.stack([keys, keys.flip(0)])[None])  # head 1 sees the keys reversed
+    assert p.keep(_seq(6, state=two_heads)).tolist() == [[[2, 4, 5], [1, 3, 5]]]
+
+
+def test_keydiff_without_keys_is_an_error_and_options_are_checked():
+    with pytest.raises(ValueError, match="PolicyState.keys"):
+        build_policy("keydiff", {"budget": 2, "slack": 0}).keep(_seq(4))
+    with pytest.raises(ConfigError, match="recent"):
+        build_policy("keydiff", {"budget": 2, "recent": 1.5})
+    with pytest.raises(ConfigError, match="scope"):
+        build_policy("keydiff", {"budget": 2, "scope": "sequence"})
+
+
+def test_tova_ranks_by_the_newest_query_only():
+    """Token 1 had the most attention earlier; the newest query ignores it, so it goes."""
+    p, state = build_policy("tova", {"budget": 3, "slack": 0, "sinks": 0}), PolicyState()
+    p.observe(state, torch.tensor([[[[0.1, 0.8, 0.1, 0.0, 0.0]]]]))
+    p.observe(state, torch.tensor([[[[0.2, 0.0, 0.3, 0.1, 0.4], [0.4, 0.0, 0.3, 0.1, 0.2]]]]))  # two rows: the last counts
+    assert p.keep(_seq(5, state=state)).tolist() == [[[0, 2, 4]]]
+    assert build_policy("tova", {"budget": 3, "slack": 0, "sinks": 1, "recent": 0}).keep(_seq(5, state=state)).tolist() \
+        == [[[0, 2, 4]]]
+    with pytest.raises(ConfigError, match="sinks"):
+        build_policy("tova", {"budget": 3, "sinks": -1})
+
+
+def _turn(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [..., d] by angle [d / 2] (one pair per frequency)."""
+    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("covariance", [False, True])
+def test_expected_attention_matches_an_explicit_gaussian_estimate(covariance):
+    """Each recent query turned to every future position one by one, averaged, its covariance written out."""
+    from kvforge.kv.policies.expected_attention import expected_attention
+
+    g = torch.Generator().manual_seed(0)
+    queries, keys = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
+    positions, inv_freq, future = torch.tensor([5, 6, 7]), torch.tensor([1.0, 0.3, 0.1, 0.01]), 4
+    turned = torch.stack([torch.stack([_turn(queries[:, :, i], (8 + j - positions[i]) * inv_freq) for j in range(future)]).mean(0)
+                          for i in range(3)], dim=2)  # [1, 4, 3, 8]
+    mean = turned.mean(2)
+    logits = torch.einsum("lhnd,lhd->lhn", keys.repeat_interleave(2, 1), mean) / 8 ** 0.5
+    if covariance:
+        cov = torch.stack([torch.cov(turned[0, h].T) for h in range(4)])  # [4, 8, 8]
+        k = keys.repeat_interleave(2, 1)[0]
+        logits = logits + torch.einsum("hnd,hde,hne->hn", k, cov, k)[None] / 16
+    want = torch.softmax(logits, -1).unflatten(1, (2, 2)).mean(2)
+    got = expected_attention(queries, positions, inv_freq, keys, future, covariance)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_expected_attention_keeps_what_the_expected_query_needs_and_checks_options():
+    p = build_policy("expected_attention", {"budget": 3, "slack": 0, "sinks": 0, "recent": 1, "covariance": False})
+    keys = torch.zeros(1, 1, 6, 2)
+    keys[0, 0, :, 0] = torch.tensor([0.0, 5.0, -5.0, 4.0, 0.0, 0.0])  # queries point along +x, which turns little
+    state = PolicyState(keys=keys, values=torch.ones(1, 1, 6))
+    p.observe_queries(state, torch.tensor([[[[1.0, 0.0]]]]), torch.tensor([5]), torch.tensor([1e-4]))
+    assert p.keep(_seq(6, state=state)).tolist() == [[[1, 3, 5]]]
+    with pytest.raises(ConfigError, match="window"):
+        build_policy("expected_attention", {"budget": 0.5, "window": 0})

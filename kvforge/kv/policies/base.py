@@ -28,6 +28,10 @@ class PolicyState:
     values: torch.Tensor | None = None  # [layers, heads, cache_len] value-row L1 norms (value-weighted scores)
     pending: bool = False  # snapkv: votes are in, the prompt is compressed at the next keep()
     selected: bool = False  # snapkv: the prompt was compressed
+    keys: torch.Tensor | None = None  # [layers, heads, cache_len, dim] cached keys, read just before a compaction (keydiff)
+    queries: torch.Tensor | None = None  # [layers, query heads, window, dim] recent queries (expected_attention)
+    query_positions: torch.Tensor | None = None  # [window] their RoPE positions
+    inv_freq: torch.Tensor | None = None  # the model's RoPE frequencies, with the queries
 
     def grow(self, length: int, lead: tuple[int, ...] = ()) -> None:
         """Pad every statistic to `length` cache indices; `lead` (layers, heads) shapes new per-layer ones."""
@@ -45,6 +49,7 @@ class PolicyState:
             self.history = _take_last(self.history, keep)
         if self.values is not None:
             self.values = _take_last(self.values, keep)
+        self.keys = None  # read again at the next compaction
 
     def values_known(self, length: int) -> int:
         """Leading cache indices (of `length`) whose value norms are recorded."""
@@ -66,6 +71,8 @@ def _pad_last(x: torch.Tensor, length: int) -> torch.Tensor:
 def _take_last(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     if keep.dim() == 1:
         return x[..., keep]
+    if x.dim() < keep.dim():  # a statistic the policy keeps per sequence, taken per layer and head
+        x = x.expand(*keep.shape[:-1], x.shape[-1])
     return x.gather(-1, keep.to(x.device).expand(*x.shape[:-1], keep.shape[-1]))
 
 
@@ -119,6 +126,16 @@ class KVPolicy:
     @property
     def weighs_values(self) -> bool:
         """The policy's scores need value-row norms (the Evictor records them in PolicyState.values)."""
+        return False
+
+    @property
+    def needs_queries(self) -> bool:
+        """observe_queries gets the asked rows' queries (after RoPE) per layer, with their positions."""
+        return False
+
+    @property
+    def reads_keys(self) -> bool:
+        """select needs the cached keys (the Evictor reads them into PolicyState.keys when a compaction is due)."""
         return False
 
     @property
@@ -261,4 +278,4 @@ def check_policy_groups(policy: KVPolicy, groups) -> None:
                           "bounds its cache; use kv_policy='full' (the default)")
     if policy.rope_by_cache_index and any(g.sliding for g in groups):
         raise ConfigError(f"kv_policy {policy.name!r} positions keys by cache index, which sliding-window layers do not; "
-                          "allowed on this model: full, window, h2o, scissorhands, snapkv")
+                          "allowed on this model: full, window, h2o, scissorhands, snapkv, keydiff, tova")

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import time
 
+import torch
+
+from kvforge.errors import ConfigError
 from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView
 from kvforge.kv.policies.compact import compact
+from kvforge.kv.policies.keys import key_rows
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.policies.values import value_norms
 
@@ -13,6 +17,9 @@ class Evictor:
     def __init__(self, policy: KVPolicy, kv, rotary=None):
         self.policy, self.kv = policy, kv
         self.rotary = rotary if policy.rope_by_cache_index else None
+        self.inv_freq = getattr(rotary, "inv_freq", None)  # for policies that turn queries to future positions
+        if policy.needs_queries and self.inv_freq is None:
+            raise ConfigError(f"kv_policy {policy.name!r} needs the model's RoPE frequencies; this model has none")
         self.evicted_tokens = 0
         self.compactions = 0
         self.compact_seconds = 0.0
@@ -48,6 +55,8 @@ class Evictor:
             return None
         if not self.policy.per_layer:
             return AttentionStats(rows, query_heads=self.policy.query_heads)
+        if self.policy.needs_queries:
+            return AttentionStats(rows, per_layer=True, settled=dict(rows), wants_queries=True)  # attention summed early
         # queries that are not drafts are never rolled back: a policy that only sums queries sums them at once
         drafts = num_drafts or [0] * len(seqs)
         settled = {i: max(0, r - drafts[i]) for i, r in rows.items()} if self.policy.sums_queries else {}
@@ -65,6 +74,12 @@ class Evictor:
                     if self.policy.weighs_values:
                         self._record_values(seq, view.state, found[0].shape[-1], found[1])
                     self.policy.observe(view.state, *found)
+                if self.policy.needs_queries and i in stats.queries:
+                    queries = torch.stack(stats.queries[i]).transpose(1, 2)  # [layers, heads, k, dim]
+                    keep_rows = queries.shape[2] - cut
+                    if keep_rows > 0:
+                        self.policy.observe_queries(view.state, queries[:, :, :keep_rows],
+                                                    stats.query_positions[i][:keep_rows], self.inv_freq)
             elif stats is not None and i in stats.sums:
                 attn = stats.sums[i]
                 attn = attn[: attn.shape[0] - cut, : attn.shape[1] - cut] if attn.shape[0] > cut else None
@@ -72,6 +87,8 @@ class Evictor:
                     self.policy.observe(view.state, attn / attn.sum(-1, keepdim=True))
             if self.policy.weighs_values:
                 self._record_values(seq, view.state, view.cache_len, 0)
+            if self.policy.reads_keys and self.policy.should_compact(view):
+                view.state.keys = key_rows(self.kv, seq, view.cache_len)
             keep = self.policy.keep(view)
             if keep is None:
                 continue

@@ -28,6 +28,9 @@ class AttentionStats:
     settled: dict[int, int] = field(default_factory=dict)  # row -> leading queries summed on arrival (per layer)
     sums: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [k, context_len] (sequence scope)
     layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    wants_queries: bool = False  # also record the asked rows' queries (after RoPE) per layer (expected_attention)
+    queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # row -> per layer [k, heads, dim]
+    query_positions: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [k] their RoPE positions
 
     def add(self, row: int, attn: torch.Tensor) -> None:
         """attn: [kv_heads, k, context_len], one layer's attention of row's asked queries."""
@@ -58,6 +61,16 @@ class AttentionStats:
         if not per_head:
             attn = attn.sum(1, keepdim=True)
         return attn, num_summed + max(0, num_each)
+
+
+def record_queries(stats: AttentionStats, q: torch.Tensor, query_start_loc: list[int], query_lens: list[int],
+                   positions: torch.Tensor) -> None:
+    """q: [T, heads, dim], one layer's queries after RoPE; keeps the asked trailing rows of each sequence."""
+    for i, k in stats.rows.items():
+        end = query_start_loc[i] + query_lens[i]
+        stats.queries.setdefault(i, []).append(q[end - k: end].float().cpu())
+        if i not in stats.query_positions:
+            stats.query_positions[i] = positions[end - k: end].cpu()
 
 
 def reduce_query_heads(stats: AttentionStats, probs: torch.Tensor, dim: int) -> torch.Tensor:
