@@ -136,3 +136,16 @@ def write_tiny_model(kind: str, directory, seed: int = 0):
                     p.normal_(std=0.5)
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+def tiny_maker(tmp_path_factory):
+    """kind -> (directory, transformers model), each tiny model written once per fixture scope."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            d = tmp_path_factory.mktemp(kind)
+            made[kind] = (d, write_tiny_model(kind, d))
+        return made[kind]
+
+    return get

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bridge_runs import run_tokens
 from hf_reference import hf_greedy
 from tiny_models import write_tiny_model
 
@@ -36,13 +37,7 @@ def family(request, tmp_path_factory):
 
 
 def _generate(loaded, prompts, speculative=None, kv_dtype="fp32"):
-    engine = LLMEngine(EngineConfig(block_size=8, max_model_len=64, kv_cache_memory=1 << 22, kv_cache_dtype=kv_dtype,
-                                    enable_prefix_caching=False, speculative=speculative), loaded)
-    ids = [engine.add_request(p, GREEDY) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    return [done[i] for i in ids]
+    return run_tokens(loaded, prompts, GREEDY, speculative, kv_dtype)
 
 
 @pytest.mark.parametrize("prompts,speculative", [(FEW, None), (MANY, None),

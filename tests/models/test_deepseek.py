@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 from hf_reference import hf_greedy
-from tiny_models import MLA, write_tiny_model
+from tiny_models import MLA, tiny_maker
 
 from kvforge import LLM, SamplingParams
 from kvforge.config import EngineConfig
@@ -23,16 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """kind -> (directory, transformers model), each written once per module."""
-    made = {}
-
-    def get(kind):
-        if kind not in made:
-            d = tmp_path_factory.mktemp(kind)
-            made[kind] = (d, write_tiny_model(kind, d))
-        return made[kind]
-
-    return get
+    return tiny_maker(tmp_path_factory)
 
 
 def _engine(directory, **options) -> LLMEngine:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hf_reference import hf_greedy_recomputed as hf_greedy
 from hf_reference import hf_stepwise_logits
-from tiny_models import write_tiny_model
+from tiny_models import tiny_maker
 
 from kvforge import LLM, SamplingParams
 from kvforge.config import EngineConfig
@@ -22,15 +22,7 @@ BUDGET = 4 << 20
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    made = {}
-
-    def get(kind):
-        if kind not in made:
-            d = tmp_path_factory.mktemp(kind)
-            made[kind] = (d, write_tiny_model(kind, d))
-        return made[kind]
-
-    return get
+    return tiny_maker(tmp_path_factory)
 
 
 def _engine(directory, **options) -> LLMEngine:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bridge_runs import run_tokens
 from thread_count import threads
 
 from kvforge.config import EngineConfig
@@ -205,13 +206,7 @@ PROMPTS = [[(5 * i + j) % 90 + 3 for j in range(4 + 7 * i)] for i in range(3)]
 
 
 def _generate(loaded, speculative=None, prompts=PROMPTS):
-    engine = LLMEngine(EngineConfig(block_size=8, max_model_len=64, kv_cache_memory=1 << 22,
-                                    enable_prefix_caching=False, speculative=speculative), loaded)
-    ids = [engine.add_request(p, GREEDY) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    return [done[i] for i in ids]
+    return run_tokens(loaded, prompts, GREEDY, speculative)
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
