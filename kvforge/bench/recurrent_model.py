@@ -6,6 +6,7 @@ engine (cache hits, time, bytes), never quality. config.json says so (`kvforge_r
 benchmarks' outputs.
 
     python -m kvforge.bench.recurrent_model DIR     then     kvforge bench prefix --model DIR
+    python -m kvforge.bench.recurrent_model DIR --small    then    kvforge bench memory --model DIR --vs-attention
 """
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ CONFIG = {
     "kvforge_random_weights": True,
 }
 
+# the same 12-layer pattern at width 128 (~2M parameters with its 8k vocabulary) and an 8,192-token context, for
+# runs of many long sequences on a CPU (bench memory --vs-attention): `--small`
+SMALL_CONFIG = dict(CONFIG, vocab_size=8192, hidden_size=128, intermediate_size=128, shared_intermediate_size=256,
+                    num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=64, mamba_d_state=32,
+                    max_position_embeddings=8192)
+
 
 def is_random(directory: str | Path | None) -> bool:
     """Whether a model directory holds random weights written by this module (benchmarks say so)."""
@@ -39,19 +46,21 @@ def is_random(directory: str | Path | None) -> bool:
         return False
 
 
-def write_recurrent_model(directory: str | Path, seed: int = 0) -> Path:
-    """config.json and random weights in `directory` (std 0.02; Mamba-2's A and dt as its initialisation)."""
+def write_recurrent_model(directory: str | Path, seed: int = 0, config: dict | None = None) -> Path:
+    """config.json (`config`, by default CONFIG) and random weights in `directory` (std 0.02; Mamba-2's A and dt as
+    its initialisation)."""
     from safetensors.torch import save_file
 
     from kvforge.models.hf_config import model_config_from_hf
     from kvforge.models.loader import model_class
 
+    config = dict(CONFIG if config is None else config, kvforge_random_weights=True)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     with torch.device("meta"):
-        model = model_class(cfg := model_config_from_hf(CONFIG))(cfg)
-    heads = CONFIG["mamba_n_heads"]
+        model = model_class(cfg := model_config_from_hf(config))(cfg)
+    heads = config["mamba_n_heads"]
     weights = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":
@@ -67,9 +76,11 @@ def write_recurrent_model(directory: str | Path, seed: int = 0) -> Path:
             w = torch.randn(t.shape) * 0.02
         weights[name] = w.contiguous()
     save_file(weights, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
     return directory
 
 
 if __name__ == "__main__":
-    print(write_recurrent_model(sys.argv[1] if len(sys.argv) > 1 else "granite-h-random"))
+    paths = [a for a in sys.argv[1:] if a != "--small"]
+    print(write_recurrent_model(paths[0] if paths else "granite-h-random",
+                                config=SMALL_CONFIG if "--small" in sys.argv else None))

@@ -35,6 +35,12 @@ def register(sub) -> None:
                    help="KV budget: this many sequences with every layer kept full")
     h.add_argument("--hybrid-output-len", type=int, default=128, help="output tokens of each sequence")
     h.add_argument("--hybrid-chunk", type=int, default=256, help="prefill chunk (max_num_batched_tokens)")
+    r = m.add_argument_group("recurrent hybrid (Mamba-2 layers, layer_types): vs its all-attention twin, same width "
+                             "and depth (written with random weights)")
+    r.add_argument("--vs-attention", action="store_true", help="run this comparison instead of the layout one")
+    r.add_argument("--twin-seq-len", type=int, default=8192, help="tokens per sequence, prompt + output")
+    r.add_argument("--twin-budget-seqs", type=int, default=2, help="KV budget: this many all-attention sequences")
+    r.add_argument("--twin-chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
     m.set_defaults(func=run_memory)
 
     x = bsub.add_parser("prefix", help="shared system prompt and multi-turn chats, prefix caching off vs on")
@@ -195,6 +201,10 @@ def run_memory(args) -> int:
     from kvforge.bench.memory import memory_bench
     from kvforge.models.loader import load_model
 
+    if args.vs_attention:
+        from kvforge.cli.bench_recurrent import run_vs_attention
+
+        return run_vs_attention(args, _emit)
     loaded = load_model(args.model)
     budget = parse_size(args.budget) if args.budget else None
     hybrid = {"seq_len": args.hybrid_seq_len, "num_requests": args.hybrid_requests,

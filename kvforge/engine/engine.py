@@ -115,7 +115,8 @@ class LLMEngine:
             draft_pool = self.runner.speculator.drafter.pool if self.draft is not None else None  # tiers move its K/V too
             self.kv.attach_connector(build_tier_connector(
                 config.kv_tiers, self.groups, self.kv.pool, self._model_key(), self.format,
-                config.kv_tier_write_through, config.kv_tier_fsync, self.device, draft_pool))
+                config.kv_tier_write_through, config.kv_tier_fsync, self.device, draft_pool,
+                swap_only=bool(self.state_groups)))
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
@@ -128,9 +129,10 @@ class LLMEngine:
         if not self.state_groups:
             return
         kinds = ", ".join(sorted({g.kind for g in self.state_groups}))
-        if config.kv_tiers:
-            raise ConfigError(f"kv_tiers is not supported on a model with recurrent layers ({kinds}) yet: tiers do not "
-                              "store their states; leave kv_tiers unset")
+        if config.kv_tiers and config.preemption_mode != "swap":
+            raise ConfigError(f"kv_tiers on a model with recurrent layers ({kinds}) hold swapped sequences only (tiers "
+                              "do not store state checkpoints for the prefix cache): set preemption_mode='swap' or "
+                              "leave kv_tiers unset")
         if config.speculative and config.speculative.method != "ngram":
             raise ConfigError(f"speculative method {config.speculative.method!r} is not supported on a model with "
                               f"recurrent layers ({kinds}): its drafter would run the target's layers over their state; "

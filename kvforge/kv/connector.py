@@ -36,6 +36,7 @@ class Resume:
     num_computed: int
     num_evicted: int
     policy_state: Any
+    state: bytes | None = None  # a recurrent model's state slot (StatePool.export_slot): it moves with the blocks
 
 
 @dataclass
@@ -99,7 +100,8 @@ class KVConnector(ABC):
         raise KeyError(request_id)
 
     def finish_swap_in(self, transfer: Transfer, payloads: list) -> bool:
-        """Import a swap-in into its reserved blocks; False when a block was lost (the request recomputes)."""
+        """Import a swap-in into its reserved blocks and put its state payload back in `transfer.resume.state`;
+        False when a block or the state was lost (the request recomputes)."""
         raise NotImplementedError
 
     # -- lifecycle --------------------------------------------------------------------------------------

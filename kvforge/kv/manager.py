@@ -278,7 +278,7 @@ class KVCacheManager(StagingWindows, RecurrentStates):
         state = self.requests.pop(req.request_id, None)
         if state is None:
             return
-        if cache:
+        if cache and state.load is None:  # a transfer in flight: its blocks hold nothing yet (a swap-in's are apart)
             self._cache_full_blocks(req, state)
         self.transfers.cancel(state)
         for tree, node in zip(self.prefix_trees, state.prefix_nodes):

@@ -71,6 +71,8 @@ class KVPool:
         for all blocks; only blocks in a special form (staged, sinks) are put together piece by piece."""
         if not block_ids:
             return []
+        if not self.slots:  # no attention layer (a recurrent model): blocks only key the prefix tree
+            return [b"" for _ in block_ids]
         per_layer = [layer.export_blocks(self._ids(block_ids)) for layer in self.slots]
         table = np.concatenate([c for rows in per_layer for c in rows.columns], axis=1)
         out = [table[i].tobytes() for i in range(len(block_ids))]
@@ -86,7 +88,7 @@ class KVPool:
     def import_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
         """Make blocks hold what `export_blocks` returned; ValueError when a payload does not fit this pool.
         Plain payloads (every layer's flag 0) go in as one array, one copy per layer for all of them."""
-        if not block_ids:
+        if not block_ids or not self.slots:
             return
         widths = [layer.payload_bytes(0) for layer in self.slots]
         starts = np.cumsum([0] + widths[:-1])

@@ -83,6 +83,22 @@ class StatePool:
         for t, s in zip(tensors, saved):
             t[slot].copy_(s)
 
+    def export_slot(self, slot: int) -> bytes:
+        """Every layer's state in `slot` as one payload (float32, the `snapshot` order): what a swap moves."""
+        return torch.cat([t.reshape(-1) for t in self.snapshot(slot)]).cpu().numpy().tobytes()
+
+    def import_slot(self, slot: int, payload: bytes) -> None:
+        """Make `slot` hold what `export_slot` returned; ValueError when the payload is not one of this pool's."""
+        if len(payload) != self.slot_bytes():
+            raise ValueError(f"a recurrent state payload of {len(payload)} bytes does not fit this pool's slots "
+                             f"of {self.slot_bytes()}")
+        flat, pos = torch.frombuffer(bytearray(payload), dtype=torch.float32), 0
+        for tensors in self.layers.values():
+            for t in tensors.values():
+                n = t[slot].numel()
+                t[slot].copy_(flat[pos:pos + n].view(t[slot].shape))
+                pos += n
+
     def slot_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for ts in self.layers.values() for t in ts.values())
 

@@ -5,7 +5,8 @@ the scheduler keeps the request in `loading` while it is there, and when it has 
 load takes pool blocks then, reclaiming idle ones; a swap-in reserved its blocks when it started), the connector
 imports into them, and a prefix load's blocks enter the prefix tree, where the request re-matches them. A request
 never runs on half-loaded K/V: blocks after the first unreadable one are recomputed, and a swap-in that lost a block
-starts over by recompute.
+starts over by recompute. A recurrent model's state slot goes out with the blocks (Resume.state) and comes back
+into a slot taken at swap-in.
 """
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ class ConnectorTransfers:
         """Room for the request's blocks and one more (its next token), idle prefix-cache blocks reclaimed for it;
         without that a swapped request could wait forever behind blocks nobody uses."""
         kv = self.kv
+        if kv.state_pool is not None and kv.state_pool.num_free == 0:
+            return False  # its recurrent state needs a slot too
         need = min(kv.connector.swapped_blocks(req.request_id) + 1, kv.allocator.num_blocks)
         if not kv.allocator.can_allocate(need):
             kv._reclaim(need - kv.allocator.num_free)
@@ -91,7 +94,9 @@ class ConnectorTransfers:
         if kv.connector is None or state is None or state.load is not None:
             return False
         table = state.block_table[:blocks_for_tokens(kv.cache_len(req), kv.block_size)]
-        resume = Resume(req.num_computed_tokens, state.num_evicted, state.policy_state)
+        slot = state.state_slot
+        saved = kv.state_pool.export_slot(slot) if slot is not None else None
+        resume = Resume(req.num_computed_tokens, state.num_evicted, state.policy_state, saved)
         if not kv.connector.swap_out(req.request_id, table, resume):
             return False  # e.g. the store queue is full: preempt by recompute instead
         kv.release(req, cache=False)
@@ -103,6 +108,8 @@ class ConnectorTransfers:
         ids = kv.allocator.allocate(kv.connector.swapped_blocks(req.request_id))
         load = kv.connector.swap_in(req.request_id, ids)
         state = kv._state(req)
+        if kv.state_pool is not None:
+            state.state_slot = kv.state_pool.allocate()  # zeroed; it gets the saved state when that comes in
         state.num_evicted, state.policy_state = load.resume.num_evicted, load.resume.policy_state
         state.num_matched, state.load = load.matched, load
         return load.matched
@@ -116,5 +123,7 @@ class ConnectorTransfers:
             kv.allocator.decref(load.block_ids)
             state.num_matched = state.num_evicted = 0
             state.policy_state = None
-            return
+            return  # a recurrent state slot stays zeroed: the state before any token
+        if state.state_slot is not None:
+            kv.state_pool.import_slot(state.state_slot, load.resume.state)
         kv.park(state)  # until it runs again: a running request's claim may take these entries first

@@ -27,6 +27,20 @@ def test_slots_are_zeroed_when_taken_and_given_back_once():
         pool.free(b)
 
 
+def test_a_slot_exported_is_imported_bit_exact_into_another():
+    pool = StatePool([MAMBA], 2, torch.device("cpu"))
+    a, b = pool.allocate(), pool.allocate()
+    for layer in MAMBA.layers:
+        for t in pool.layer(layer).values():
+            t[a].copy_(torch.randn(t[a].shape))
+    payload = pool.export_slot(a)
+    assert len(payload) == pool.slot_bytes() == state_bytes_per_sequence([MAMBA])
+    pool.import_slot(b, payload)
+    assert all(torch.equal(t[a], t[b]) for layer in MAMBA.layers for t in pool.layer(layer).values())
+    with pytest.raises(ValueError, match="does not fit"):
+        pool.import_slot(b, payload[:-4])
+
+
 def test_pool_bytes_are_the_formula():
     pool = StatePool([MAMBA], 5, torch.device("cpu"))
     per_seq = 3 * 4 * (3 * 40 + 4 * 8 * 16)

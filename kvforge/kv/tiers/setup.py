@@ -79,10 +79,10 @@ def build_tiers(specs: list[TierSpec], description: str, pin: bool = False, fsyn
 
 def build_tier_connector(specs: list[TierSpec], groups: list[KVGroup], pool: KVPool, model: ModelKey, fmt: KVFormat,
                          write_through: bool | None = None, fsync: bool = True, device: torch.device | str = "cpu",
-                         draft_pool: KVPool | None = None) -> TierConnector:
+                         draft_pool: KVPool | None = None, swap_only: bool = False) -> TierConnector:
     """The tiers `specs` name, opened, behind a TierConnector for `pool` (on `device`). With a draft model's pool
     (indexed by the same block ids) every entry carries both models' K/V, and its key namespace (`model`, which
-    names the draft) and header name the draft too."""
+    names the draft) and header name the draft too. `swap_only`: the tiers hold swapped requests only (kvforge.kv.tiers.connector)."""
     check_tier_groups(specs, groups)
     description = layout_description(fmt, pool.spec, pool.block_size)
     block_io = pool
@@ -91,4 +91,4 @@ def build_tier_connector(specs: list[TierSpec], groups: list[KVGroup], pool: KVP
         block_io = PoolPair(pool, draft_pool)
     tiers = build_tiers(specs, description, pin=pin_host_memory(device), fsync=fsync)
     chain = TierChain(tiers, pool.block_size, write_modes(tiers, write_through))
-    return TierConnector(chain, KeySpace(model, fmt, pool.block_size, pool.spec), block_io)
+    return TierConnector(chain, KeySpace(model, fmt, pool.block_size, pool.spec), block_io, swap_only)

@@ -6,12 +6,13 @@ evicted count and policy statistics (its Resume). At admission, swap-in fetches 
 blocks the manager reserved, like a tier load; the request waits in the loading state and resumes bit-exact. If a
 block cannot be read back (the tier pushed it out and nothing held it), the request starts over by recompute. The
 private keys are discarded after the swap-in (ordered after their store by the chain), and a shared store expires
-them in case that never happens.
+them in case that never happens. A recurrent model's state slot (Resume.state) is stored beside the blocks under
+one more private key and fetched with them: it comes back exactly, or the request recomputes.
 """
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvforge.kv.connector import BlockIO, Resume, Transfer
 from kvforge.kv.tiers.chain import TierChain
@@ -20,8 +21,9 @@ from kvforge.kv.tiers.keys import BlockKey
 
 @dataclass
 class SwappedKV:
-    keys: list[BlockKey]
-    resume: Resume
+    keys: list[BlockKey]  # one per block
+    resume: Resume  # without its state payload, which is in the tier under state_key
+    state_key: BlockKey | None = None
 
 
 def private_keys(n: int) -> list[BlockKey]:
@@ -37,31 +39,37 @@ class SwapSpace:
 
     def swap_out(self, request_id: str, block_ids: list[int], resume: Resume) -> bool:
         """Store the blocks under private keys; False when the store queue is full (preempt by recompute instead)."""
-        keys = private_keys(len(block_ids))
-        if not self.tiers.store(list(zip(keys, self.block_io.export_blocks(block_ids))), private=True):
+        has_state = resume.state is not None
+        keys = private_keys(len(block_ids) + has_state)
+        payloads = self.block_io.export_blocks(block_ids) + ([resume.state] if has_state else [])
+        if not self.tiers.store(list(zip(keys, payloads)), private=True):
             return False
-        self.swapped[request_id] = SwappedKV(keys, resume)
+        state_key = keys.pop() if has_state else None
+        self.swapped[request_id] = SwappedKV(keys, replace(resume, state=None), state_key)
         self.swapped_out_blocks += len(keys)
         return True
 
     def swap_in(self, request_id: str, block_ids: list[int]) -> Transfer:
         entry = self.swapped.pop(request_id)
-        fetch = self.tiers.fetch_all(entry.keys)
-        return Transfer(fetch, block_ids, entry.resume.num_computed, resume=entry.resume, handle=entry.keys)
+        keys = entry.keys + ([entry.state_key] if entry.state_key is not None else [])
+        fetch = self.tiers.fetch_all(keys)
+        return Transfer(fetch, block_ids, entry.resume.num_computed, resume=entry.resume, handle=keys)
 
     def finish_swap_in(self, transfer: Transfer, payloads: list) -> bool:
         self.tiers.discard(transfer.handle)
         if any(p is None for p in payloads):
             self.swap_failures += 1
             return False
-        self.block_io.import_blocks(transfer.block_ids, payloads)
+        blocks = len(transfer.block_ids)
+        self.block_io.import_blocks(transfer.block_ids, payloads[:blocks])
+        transfer.resume.state = payloads[blocks] if len(payloads) > blocks else None
         self.swapped_in_blocks += len(transfer.block_ids)
         return True
 
     def drop(self, request_id: str) -> None:
         entry = self.swapped.pop(request_id, None)
         if entry is not None:
-            self.tiers.discard(entry.keys)
+            self.tiers.discard(entry.keys + ([entry.state_key] if entry.state_key is not None else []))
 
     def stats(self) -> dict:
         return {"swapped_out_blocks": self.swapped_out_blocks, "swapped_in_blocks": self.swapped_in_blocks,
