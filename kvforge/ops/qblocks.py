@@ -89,7 +89,7 @@ def codes(blocks: torch.Tensor, qtype: Q | int) -> torch.Tensor:
 
 
 def scales(blocks: torch.Tensor, qtype: Q | int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per block: d [n_blocks] and, for the `_1` types, m [n_blocks] (fp32)."""
+    """Per block of a 32-value type: d [n_blocks] and, for the `_1` types, m [n_blocks] (fp32); K-quants: lane_scales."""
     t = block_type(qtype)
     return _f16(blocks, 0)[:, 0], (_f16(blocks, 2)[:, 0] if t.has_min else None)
 

@@ -107,17 +107,6 @@ inline __m512i codes(const uint8_t* a, const uint8_t* b, __m512& d, __m512& m) {
   return v;
 }
 
-// Q4_K / Q5_K: sub-block j's 6-bit scale and min (ggml's get_scale_min_k4) from the 12 packed bytes q.
-inline void scale_min_k4(int j, const uint8_t* q, int& scale, int& min) {
-  if (j < 4) {
-    scale = q[j] & 63;
-    min = q[j + 4] & 63;
-  } else {
-    scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 // The 64 unsigned codes of chunk c (64 columns) of a K-quant weight row, with per-lane d (and m).
 template <int64_t T>
 inline __m512i kcodes(const uint8_t* row, int64_t c, __m512& d, __m512& m) {
@@ -140,14 +129,26 @@ inline __m512i kcodes(const uint8_t* row, int64_t c, __m512& d, __m512& m) {
                               _mm512_castps128_ps512(sc));
     return _mm512_or_si512(ql, hb);
   }
-  int s0, m0, s1, m1;
-  scale_min_k4(2 * j, sb + 4, s0, m0);
-  scale_min_k4(2 * j + 1, sb + 4, s1, m1);
-  const float dd = half_at(sb), dmin = half_at(sb + 2);
-  const float d0 = dd * static_cast<float>(s0), d1 = dd * static_cast<float>(s1);
-  const float n0 = -(dmin * static_cast<float>(m0)), n1 = -(dmin * static_cast<float>(m1));
-  d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
-  m = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(n0), _mm512_set1_ps(n1));
+  // the 8 scales (bytes 0..7) and 8 mins (8..15) unpacked as ggml does, then d * scale and -(dmin * min) per lane
+  uint32_t u0, u1, u2;
+  std::memcpy(&u0, sb + 4, 4);
+  std::memcpy(&u1, sb + 8, 4);
+  std::memcpy(&u2, sb + 12, 4);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  const uint32_t scales_low = u0 & k6, scales_high = (u2 & k4) | (((u0 >> 6) & k2) << 4);
+  const uint32_t mins_low = u1 & k6, mins_high = ((u2 >> 4) & k4) | (((u1 >> 6) & k2) << 4);
+  const __m128i packed = _mm_set_epi32(static_cast<int>(mins_high), static_cast<int>(mins_low),
+                                       static_cast<int>(scales_high), static_cast<int>(scales_low));
+  const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed));
+  int32_t heads;  // d and dmin, fp16
+  std::memcpy(&heads, sb, 4);
+  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 dd = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(heads))));
+  const __m512 prod = _mm512_mul_round_ps(dd, sm, kRound);  // [d * scale x8, dmin * min x8]
+  const __m512i sub = _mm512_add_epi32(pick, _mm512_set1_epi32(2 * j));
+  d = _mm512_permutexvar_ps(sub, prod);
+  m = _mm512_xor_ps(_mm512_permutexvar_ps(_mm512_add_epi32(sub, _mm512_set1_epi32(8)), prod),
+                    _mm512_set1_ps(-0.0f));
   const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + (T == kQ4_K ? 16 : 48) + 32 * j));
   const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
   __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
