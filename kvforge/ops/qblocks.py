@@ -1,8 +1,10 @@
-"""Linear layers on GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), kept as the file's block bytes.
+"""Linear layers on GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the K-quants Q4_K, Q5_K, Q6_K),
+kept as the file's block bytes.
 
-A weight [N, K] is held as uint8 [N, K / 32 * block_bytes]: each row its K / 32 blocks of 32 weights, exactly as
-in the GGUF file (an fp16 scale d, for the `_1` types an fp16 offset m, then the codes). A weight is d * (code -
-offset) (+ m). `dequantize` is the exact torch reference (gguf's order of fp32 operations, so bit-identical).
+A weight [N, K] is held as uint8 [N, K / values * block_bytes]: each row its blocks of 32 weights (256 for the
+K-quants, ops/kquants.py), exactly as in the GGUF file (an fp16 scale d, for the `_1` types an fp16 offset m, then
+the codes). A weight is d * (code - offset) (+ m); for the K-quants d and m are per lane of 4 weights (sub-block
+scales). `dequantize` is the exact torch reference (gguf's order of fp32 operations, so bit-identical).
 
 `kvforge::qblock_linear(x, blocks, qtype, n, bias)`, for the few rows of a decode step (csrc/qblock_matmul.cpp,
 llama.cpp's vec_dot_q4_1_q8_1 scheme): each 32-column block of x is rounded to int8 with its own scale (ops/int8.py's
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from kvforge.ops import kquants
 from kvforge.ops.int8 import BLOCK, CHUNK, LANES, lane_sum, quantize_blocks
 
 LIB = torch.library.Library("kvforge", "FRAGMENT")
@@ -38,7 +41,8 @@ class BlockType:
     block_bytes: int
     offset: int  # code - offset is the signed integer the scale multiplies
     has_min: bool  # the `_1` types: an fp16 m added to every weight of the block
-    codes_at: int  # byte of the block where its codes start
+    codes_at: int  # byte of the block where its codes start (32-value types)
+    values: int = BLOCK  # weights per block: 32, or 256 for the K-quants
 
 
 BLOCK_TYPES: dict[Q, BlockType] = {
@@ -47,9 +51,12 @@ BLOCK_TYPES: dict[Q, BlockType] = {
     Q.Q5_0: BlockType(Q.Q5_0, 22, 16, False, 6),
     Q.Q5_1: BlockType(Q.Q5_1, 24, 0, True, 8),
     Q.Q8_0: BlockType(Q.Q8_0, 34, 0, False, 2),
+    Q.Q4_K: BlockType(Q.Q4_K, 144, 0, True, 16, kquants.SUPER),
+    Q.Q5_K: BlockType(Q.Q5_K, 176, 0, True, 48, kquants.SUPER),
+    Q.Q6_K: BlockType(Q.Q6_K, 210, 32, False, 0, kquants.SUPER),
 }
 for _t in BLOCK_TYPES.values():
-    assert GGML_QUANT_SIZES[_t.qtype] == (BLOCK, _t.block_bytes)
+    assert GGML_QUANT_SIZES[_t.qtype] == (_t.values, _t.block_bytes)
 
 
 def block_type(qtype: Q | int) -> BlockType:
@@ -67,8 +74,10 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def codes(blocks: torch.Tensor, qtype: Q | int) -> torch.Tensor:
-    """[n_blocks, block_bytes] uint8 -> the signed integers (code - offset) [n_blocks, 32] as int32."""
+    """[n_blocks, block_bytes] uint8 -> the signed integers (code - offset) [n_blocks, values] as int32."""
     t = block_type(qtype)
+    if t.values != BLOCK:
+        return kquants.codes(blocks, t.qtype)
     qs = blocks[:, t.codes_at:]
     if t.qtype == Q.Q8_0:
         return qs.contiguous().view(torch.int8).to(torch.int32)
@@ -80,19 +89,29 @@ def codes(blocks: torch.Tensor, qtype: Q | int) -> torch.Tensor:
 
 
 def scales(blocks: torch.Tensor, qtype: Q | int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per block: d [n_blocks] and, for the `_1` types, m [n_blocks] (fp32)."""
+    """Per block of a 32-value type: d [n_blocks] and, for the `_1` types, m [n_blocks] (fp32); K-quants: lane_scales."""
     t = block_type(qtype)
     return _f16(blocks, 0)[:, 0], (_f16(blocks, 2)[:, 0] if t.has_min else None)
 
 
+def lane_scales(blocks: torch.Tensor, qtype: Q | int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per lane of 4 weights: d [n_blocks, values / 4] and m (the `_1` types and Q4_K / Q5_K) or None (fp32)."""
+    t = block_type(qtype)
+    if t.values != BLOCK:
+        return kquants.lane_scales(blocks, t.qtype)
+    d, m = scales(blocks, qtype)
+    per_lane = BLOCK // 4
+    return d[:, None].expand(-1, per_lane), (None if m is None else m[:, None].expand(-1, per_lane))
+
+
 def dequantize(blocks: torch.Tensor, qtype: Q | int) -> torch.Tensor:
-    """A weight's block bytes [N, K / 32 * block_bytes] -> fp32 [N, K], as gguf.quants.dequantize computes it."""
+    """A weight's block bytes [N, K / values * block_bytes] -> fp32 [N, K], as gguf.quants.dequantize computes it."""
     t = block_type(qtype)
     n = blocks.shape[0]
     flat = blocks.reshape(-1, t.block_bytes)
-    d, m = scales(flat, qtype)
-    w = d[:, None] * codes(flat, qtype).float()
-    return (w if m is None else w + m[:, None]).reshape(n, -1)
+    d, m = lane_scales(flat, qtype)
+    w = d.repeat_interleave(4, dim=1) * codes(flat, qtype).float()
+    return (w if m is None else w + m.repeat_interleave(4, dim=1)).reshape(n, -1)
 
 
 def rows_of(blocks: torch.Tensor, qtype: Q | int, index: torch.Tensor) -> torch.Tensor:
@@ -102,24 +121,21 @@ def rows_of(blocks: torch.Tensor, qtype: Q | int, index: torch.Tensor) -> torch.
 
 def qblock_linear_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The operator's definition (see the module docstring): x [M, K] fp32, blocks [n, K / 32 * block_bytes]."""
+    """The operator's definition (see the module docstring): x [M, K] fp32, blocks [n, K / values * block_bytes]."""
     t = block_type(qtype)
     rows, k = x.shape
     xq, dx = quantize_blocks(x)  # [M, K'] integers as fp32 (K' = K rounded up to 64), [M, K' / 32]
     width = xq.shape[1]
-    chunks, nblocks = width // CHUNK, width // BLOCK
-    flat = blocks.reshape(n * (k // BLOCK), t.block_bytes)
+    chunks = width // CHUNK
+    flat = blocks.reshape(n * (k // t.values), t.block_bytes)
     w = F.pad(codes(flat, qtype).view(n, k), (0, width - k)).double().view(n, chunks, LANES, 4)
-    d, m = scales(flat, qtype)
-    d = F.pad(d.view(n, -1), (0, nblocks - k // BLOCK))
+    d, m = lane_scales(flat, qtype)
     dots = torch.einsum("mclj,nclj->mncl", xq.double().view(rows, chunks, LANES, 4), w).float()
-    per_lane = BLOCK // 4
-    lane_d = d.repeat_interleave(per_lane, dim=1).view(1, n, chunks, LANES)
-    lane_dx = dx.repeat_interleave(per_lane, dim=1).view(rows, 1, chunks, LANES)
+    lane_d = F.pad(d.reshape(n, -1), (0, (width - k) // 4)).view(1, n, chunks, LANES)
+    lane_dx = dx.repeat_interleave(BLOCK // 4, dim=1).view(rows, 1, chunks, LANES)
     scale = lane_d * lane_dx
     if m is not None:
-        lane_m = F.pad(m.view(n, -1), (0, nblocks - k // BLOCK)).repeat_interleave(per_lane, dim=1)
-        lane_m = lane_m.view(1, n, chunks, LANES)
+        lane_m = F.pad(m.reshape(n, -1), (0, (width - k) // 4)).view(1, n, chunks, LANES)
         lane_sx = lane_dx * xq.view(rows, 1, chunks, LANES, 4).sum(-1)  # activation scale * lane's sum of x codes
     acc = torch.zeros(rows, n, LANES)
     for c in range(chunks):

@@ -20,7 +20,7 @@ from kvforge.ops.qblocks import (
     rows_of,
 )
 
-TYPES = list(BLOCK_TYPES)
+TYPES = [t for t, kind in BLOCK_TYPES.items() if kind.values == 32]  # K-quants: test_kquant_linear.py
 compiled = pytest.mark.skipif(not load_compiled() or not compiled_for(torch.zeros(1)),
                               reason="compiled CPU kernels unavailable or no AVX-512 VNNI")
 

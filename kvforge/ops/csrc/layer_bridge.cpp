@@ -52,8 +52,9 @@ Linear linear_of(const at::Tensor& w, const at::Tensor& scale, const at::Tensor&
   if (w.scalar_type() == at::kByte) {
 #if KVFORGE_INT8_VNNI
     TORCH_CHECK(scale.scalar_type() == at::kLong && scale.numel() == 1 && is_qblock_type(scale.item<int64_t>()) &&
-                    w.dim() == 2 && K % 32 == 0 && w.size(1) == K / 32 * qblock_bytes(scale.item<int64_t>()),
-                "layer_bridge: ", name, " GGUF block weight must be uint8 [N, K / 32 * block bytes] with its ggml type");
+                    w.dim() == 2 && K % qblock_values(scale.item<int64_t>()) == 0 &&
+                    w.size(1) == K / qblock_values(scale.item<int64_t>()) * qblock_bytes(scale.item<int64_t>()),
+                "layer_bridge: ", name, " GGUF block weight must be uint8 [N, K / block values * block bytes] with its ggml type");
     lin.N = w.size(0);
     lin.qtype = scale.item<int64_t>();
     lin.blocks = w.data_ptr<uint8_t>();

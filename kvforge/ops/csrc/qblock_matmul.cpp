@@ -1,5 +1,7 @@
 // kvforge::qblock_linear and kvforge::qblock_panel_linear: y = x @ W^T (+ bias) with W held as GGUF blocks of 32
-// weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; ops/qblocks.py describes the layout and the torch references).
+// weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or K-quant super-blocks of 256 (Q4_K, Q5_K, Q6_K; ops/qblocks.py and
+// ops/kquants.py describe the layouts and the torch references). A K-quant chunk of 64 columns is one quarter of a
+// super-block: its codes widened the same way, its sub-block scales (d * scale, -(dmin * min)) as per-lane d and m.
 // Few rows (decode): x rounded to int8 per 32-column block (int8_matmul.h's quantize_rows); per 64-column chunk two
 // weight blocks are widened in registers to 64 unsigned codes (nibbles split, Q5's fifth bits from a byte mask, Q8's
 // signed codes flipped by +128) and multiplied with every row of x by AVX-512 VNNI (vpdpbusd: 16 lanes of exact
@@ -21,13 +23,18 @@
 
 #if KVFORGE_INT8_VNNI
 #include <immintrin.h>
+
+#include "kquant_codes.h"
 #endif
 
 namespace kvforge {
 
 bool is_qblock_type(int64_t qtype) {
-  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0;
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0 || qtype == kQ4_K ||
+         qtype == kQ5_K || qtype == kQ6_K;
 }
+
+int64_t qblock_values(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K ? 256 : 32; }
 
 int64_t qblock_bytes(int64_t qtype) {
   switch (qtype) {
@@ -35,6 +42,9 @@ int64_t qblock_bytes(int64_t qtype) {
     case kQ4_1: return 20;
     case kQ5_0: return 22;
     case kQ5_1: return 24;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
     default: return 34;
   }
 }
@@ -48,11 +58,14 @@ constexpr int kRows = 4;  // weight rows per tile
 
 template <int64_t T>
 struct Traits {
-  static constexpr int64_t bytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
-  static constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
+  static constexpr bool is_k = T == kQ4_K || T == kQ5_K || T == kQ6_K;  // super-blocks of 256
+  static constexpr int64_t values = is_k ? 256 : 32;
+  static constexpr int64_t bytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24
+                                   : T == kQ4_K ? 144 : T == kQ5_K ? 176 : T == kQ6_K ? 210 : 34;
+  static constexpr bool has_min = T == kQ4_1 || T == kQ5_1 || T == kQ4_K || T == kQ5_K;
   static constexpr int64_t codes_at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : T == kQ5_1 ? 8 : 2;
-  static constexpr int offset = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : T == kQ8_0 ? 128 : 0;  // of the unsigned code
-  static constexpr int fix_shift = T == kQ4_0 ? 4 : T == kQ5_0 ? 3 : 0;  // -offset * sum(x) from -128 * sum(x)
+  static constexpr int offset = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : T == kQ8_0 ? 128 : T == kQ6_K ? 32 : 0;
+  static constexpr int fix_shift = T == kQ4_0 ? 4 : T == kQ5_0 ? 3 : T == kQ6_K ? 2 : 0;  // -offset * sum(x)
 };
 
 inline float half_at(const uint8_t* p) {
@@ -110,7 +123,7 @@ template <int64_t T, int R, int MR>
 inline void tile(const BlockRows& xr, const uint8_t* w, float* y, int64_t stride, int64_t K, int64_t n, int64_t m0) {
   using Tr = Traits<T>;
   const QuantizedRows& xq = xr.xq;
-  const int64_t blocks = K / kBlock, row_bytes = blocks * Tr::bytes, width = xq.chunks * kChunk;
+  const int64_t blocks = K / kBlock, row_bytes = K / Tr::values * Tr::bytes, width = xq.chunks * kChunk;
   const int64_t lanes = xq.chunks * kLanes;
   __m512 acc[R][MR];
   for (int r = 0; r < R; ++r)
@@ -120,9 +133,16 @@ inline void tile(const BlockRows& xr, const uint8_t* w, float* y, int64_t stride
     __m512i u[R];
     __m512 d[R], mins[R];
     for (int r = 0; r < R; ++r) {
-      const uint8_t* a = w + (n + r) * row_bytes + 2 * c * Tr::bytes;
-      u[r] = codes<T>(a, whole ? a + Tr::bytes : nullptr, d[r], mins[r]);
-      if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(a + kPrefetchBytes), _MM_HINT_T1);
+      const uint8_t* row = w + (n + r) * row_bytes;
+      if constexpr (Tr::is_k) {
+        u[r] = kquant_codes<T>(row, c, d[r], mins[r]);
+        if (m0 == 0 && c % 4 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(row + c / 4 * Tr::bytes + kPrefetchBytes), _MM_HINT_T1);
+      } else {
+        const uint8_t* a = row + 2 * c * Tr::bytes;
+        u[r] = codes<T>(a, whole ? a + Tr::bytes : nullptr, d[r], mins[r]);
+        if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(a + kPrefetchBytes), _MM_HINT_T1);
+      }
     }
     for (int m = 0; m < MR; ++m) {
       const int64_t row = m0 + m;
@@ -170,6 +190,23 @@ template <int64_t T>
 void dequantize_row(const uint8_t* row, float* out, int64_t K) {
   using Tr = Traits<T>;
   const __m512i offset = _mm512_set1_epi32(Tr::offset);
+  if constexpr (Tr::is_k) {
+    alignas(64) uint8_t u[kChunk];
+    for (int64_t c = 0; c < K / kChunk; ++c) {
+      __m512 d, m = _mm512_setzero_ps();
+      _mm512_store_si512(u, kquant_codes<T>(row, c, d, m));
+      for (int g = 0; g < 4; ++g) {  // 16 weights: lanes 4g..4g+3
+        const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * g), _mm512_srli_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+        const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(u + 16 * g));
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), offset));
+        __m512 v = _mm512_mul_round_ps(_mm512_permutexvar_ps(lanes, d), q, kRound);
+        if (Tr::has_min) v = _mm512_add_round_ps(v, _mm512_permutexvar_ps(lanes, m), kRound);
+        _mm512_storeu_ps(out + c * kChunk + 16 * g, v);
+      }
+    }
+    return;
+  }
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* block = row + b * Tr::bytes;
     __m512 lanes_d, lanes_m;  // lanes 8..15 are block b's (none here)
@@ -190,7 +227,7 @@ void dequantize_row(const uint8_t* row, float* out, int64_t K) {
 template <int64_t T>
 void panel_range(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N,
                  int64_t p0, int64_t p1, float* buffer, float* rows) {
-  const int64_t row_bytes = K / kBlock * Traits<T>::bytes;
+  const int64_t row_bytes = K / Traits<T>::values * Traits<T>::bytes;
   const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(static_cast<int>(K)));
   for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
@@ -209,12 +246,13 @@ void panel_range(const float* x, const uint8_t* w, const float* bias, float* y, 
 }
 
 void check(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t n, const char* op) {
-  TORCH_CHECK(is_qblock_type(qtype), op, ": ggml type ", qtype, " is not Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % kBlock == 0, op,
-              ": x [M, K] fp32 with K a multiple of 32 expected");
+  TORCH_CHECK(is_qblock_type(qtype), op, ": ggml type ", qtype,
+              " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % qblock_values(qtype) == 0, op,
+              ": x [M, K] fp32 with K a multiple of the block's values (32; 256 for K-quants) expected");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(0) == n &&
-                  blocks.size(1) == x.size(1) / kBlock * qblock_bytes(qtype),
-              op, ": blocks [n, K / 32 * block bytes] uint8 expected");
+                  blocks.size(1) == x.size(1) / qblock_values(qtype) * qblock_bytes(qtype),
+              op, ": blocks [n, K / block values * block bytes] uint8 expected");
 }
 
 at::Tensor qblock_linear_cpu(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype, int64_t n,
@@ -261,6 +299,9 @@ at::Tensor qblock_panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& blo
         case kQ4_1: panel_range<kQ4_1>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
         case kQ5_0: panel_range<kQ5_0>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
         case kQ5_1: panel_range<kQ5_1>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
+        case kQ4_K: panel_range<kQ4_K>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
+        case kQ5_K: panel_range<kQ5_K>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
+        case kQ6_K: panel_range<kQ6_K>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
         default: panel_range<kQ8_0>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
       }
     });
@@ -285,6 +326,9 @@ void qblock_rows(const BlockRows& xr, const uint8_t* blocks, int64_t qtype, floa
     case kQ4_1: return rows_range<kQ4_1>(xr, blocks, y, stride, M, K, n0, n1);
     case kQ5_0: return rows_range<kQ5_0>(xr, blocks, y, stride, M, K, n0, n1);
     case kQ5_1: return rows_range<kQ5_1>(xr, blocks, y, stride, M, K, n0, n1);
+    case kQ4_K: return rows_range<kQ4_K>(xr, blocks, y, stride, M, K, n0, n1);
+    case kQ5_K: return rows_range<kQ5_K>(xr, blocks, y, stride, M, K, n0, n1);
+    case kQ6_K: return rows_range<kQ6_K>(xr, blocks, y, stride, M, K, n0, n1);
     default: return rows_range<kQ8_0>(xr, blocks, y, stride, M, K, n0, n1);
   }
 }

@@ -1,4 +1,4 @@
-// Linear layers on GGUF block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) in their file layout, for callers that split
+// Linear layers on GGUF block weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) in their file layout, for callers that split
 // the weight's rows over threads themselves (layer_bridge.cpp): quantize_block_rows rounds x once (int8 per
 // 32-column block, int8_matmul.h's quantize_rows), qblock_rows multiplies weight rows [n0, n1) with it.
 #pragma once
@@ -11,10 +11,11 @@
 namespace kvforge {
 
 // ggml's type ids of the block types computed in place
-enum QBlockType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8 };
+enum QBlockType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 bool is_qblock_type(int64_t qtype);
-int64_t qblock_bytes(int64_t qtype);  // bytes of one block of 32 weights
+int64_t qblock_bytes(int64_t qtype);   // bytes of one block (32 weights; a K-quant super-block: 256)
+int64_t qblock_values(int64_t qtype);  // weights per block: 32 or 256
 
 // Rows of x in the kernels' form: int8_matmul.h's, plus per lane its block scale * its integer sum of x.
 struct BlockRows {

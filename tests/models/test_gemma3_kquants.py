@@ -1,0 +1,79 @@
+"""Gemma 3 270M (Q4_K_M GGUF: Q4_K attn_output, Q6_K ffn_down beside Q5_0 / Q8_0) under weights="auto": its K-quant
+tensors stay as the file's super-block bytes (no fp32 or panel copy), dequantize exactly as the fp32 load does,
+and decode runs them through the layer bridge with the same tokens as the per-op path; greedy tokens start as the
+fp32 path's (activations rounded to int8 per 32 values may change a later one)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvforge import LLM, EngineConfig, SamplingParams
+from kvforge.engine.engine import LLMEngine
+from kvforge.models.gguf_loader import _open, read_gguf_header
+from kvforge.models.loader import load_model
+from kvforge.models.quant_weights import block_weights, blocks_of
+from kvforge.ops.int8 import compiled_for
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> str:
+    from kvforge.models.packaged import packaged_model_path
+
+    return packaged_model_path("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def gemma_auto(gemma_path):
+    return load_model(gemma_path, weights="auto")
+
+
+def _tokens(loaded, weights: str) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", weights=weights), loaded)
+    return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(PROMPTS, PARAMS)]
+
+
+def test_k_quant_tensors_are_the_files_bytes_and_dequantize_as_the_fp32_load(gemma_path, gemma_auto):
+    buf = _open(gemma_path)
+    table = {t.name: t for t in read_gguf_header(gemma_path, buf)[1]}
+    held = Counter(Q(blocks_of(t).qtype).name for t in block_weights(gemma_auto.model))
+    assert held["Q4_K"] == 27 and held["Q6_K"] == 9  # every K-quant tensor of the file, none dequantized
+    layer = gemma_auto.model.model.layers[3]
+    for name, module in (("blk.3.attn_output.weight", layer.self_attn.o_proj), ("blk.3.ffn_down.weight",
+                                                                                  layer.mlp.down_proj)):
+        t, qb = table[name], blocks_of(module.weight)
+        assert qb.qtype == int(t.qtype) and module.weight.device.type == "meta"
+        assert qb.data.numpy().tobytes() == bytes(buf[t.start:t.start + t.nbytes])
+    fp32 = load_model(gemma_path, weights="fp32").model.model.layers[3]
+    assert torch.equal(blocks_of(layer.self_attn.o_proj.weight).dequantized(), fp32.self_attn.o_proj.weight)
+    assert torch.equal(blocks_of(layer.mlp.down_proj.weight).dequantized(), fp32.mlp.down_proj.weight)
+
+
+def test_decode_runs_k_quants_through_the_bridge_with_the_per_op_tokens(gemma_path, gemma_auto, monkeypatch):
+    from kvforge.models import bridged
+    from kvforge.models.gemma import GemmaForCausalLM
+
+    if not compiled_for(torch.zeros(1, 8)):
+        pytest.skip("no VNNI kernels on this machine")
+    qtypes = Counter()
+    real = bridged.layer_bridge
+
+    def spy(*args):
+        post = args[4]
+        qtypes.update(int(post[i + 1]) for i, t in enumerate(post) if t.dtype == torch.uint8)
+        return real(*args)
+
+    monkeypatch.setattr(bridged, "layer_bridge", spy)
+    on = _tokens(gemma_auto, "auto")
+    assert qtypes[int(Q.Q4_K)] > 0 and qtypes[int(Q.Q6_K)] > 0  # o_proj and down_proj as super-blocks
+    monkeypatch.setattr(GemmaForCausalLM, "use_bridge", False)
+    qtypes.clear()
+    assert _tokens(gemma_auto, "auto") == on and not qtypes
+    fp32 = _tokens(load_model(gemma_path, weights="fp32"), "fp32")
+    assert all(a[:4] == b[:4] for a, b in zip(on, fp32)), (on, fp32)
