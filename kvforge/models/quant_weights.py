@@ -7,16 +7,19 @@ attribute, so the model code is the same: `linear` (models/int8_weights.py) comp
 (ops/qblocks.qblock_linear: integer dot products for a few rows, dequantized panel tiles for more), an embedding
 dequantizes the rows it looks up, and the tied LM head runs the embedding's blocks (Q8_0 in the embedded model).
 Fused projections (q/k/v, gate/up) concatenate their parts' blocks when all share one block type, each part's
-blocks a view into the fused ones; otherwise the parts are dequantized and fused in fp32.
+blocks a view into the fused ones; parts of different types that all convert to Q8_0 without loss (Q4_0, Q5_0,
+Q8_0, e.g. Gemma 3's Q5_0 q/k beside a Q8_0 v) are converted and fused as Q8_0 blocks; otherwise the parts are
+dequantized and fused in fp32.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from kvforge.ops.qblocks import BLOCK_TYPES, dequantize, qblock_linear, rows_of
+from kvforge.ops.qblocks import BLOCK_TYPES, LOSSLESS_TO_Q8_0, dequantize, qblock_linear, rows_of, to_q8_0
 
 QBLOCKS = "_kvforge_qblocks"  # attribute of a released weight tensor: its QuantBlocks
 RELEASED = "_kvforge_released"  # as models/int8_weights.py: the tensor's values live in another form
@@ -96,11 +99,15 @@ def holds_blocks(model: nn.Module) -> bool:
 @torch.no_grad()
 def fuse_blocks(linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
     """The fused weight of `linears` when any lives in blocks: their blocks concatenated (each part's weight
-    becomes a view of them) when all share one block type, else None after dequantizing every part to fp32 (the
-    caller then fuses them as fp32)."""
+    becomes a view of them) when all share one block type, or as Q8_0 blocks when their types differ but all
+    convert to Q8_0 without loss (Q4_0, Q5_0, Q8_0: ops/qblocks.to_q8_0), else None after dequantizing every part
+    to fp32 (the caller then fuses them as fp32)."""
     parts = [blocks_of(lin.weight) for lin in linears]
     if all(p is None for p in parts):
         return None
+    if all(p is not None for p in parts) and any(p.qtype != parts[0].qtype for p in parts) and all(
+            p.qtype in LOSSLESS_TO_Q8_0 for p in parts):
+        parts = [QuantBlocks(int(Q.Q8_0), to_q8_0(p.data, p.qtype)) for p in parts]
     if all(p is not None and p.qtype == parts[0].qtype for p in parts):
         data = torch.cat([p.data for p in parts])
         fused = released(QuantBlocks(parts[0].qtype, data), (data.shape[0], linears[0].weight.shape[1]))

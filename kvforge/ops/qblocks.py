@@ -114,6 +114,26 @@ def dequantize(blocks: torch.Tensor, qtype: Q | int) -> torch.Tensor:
     return (w if m is None else w + m.repeat_interleave(4, dim=1)).reshape(n, -1)
 
 
+LOSSLESS_TO_Q8_0 = (Q.Q4_0, Q.Q5_0, Q.Q8_0)  # offset-only 32-value types: their integers fit Q8_0's int8 codes
+
+
+def to_q8_0(blocks: torch.Tensor, qtype: Q | int) -> torch.Tensor:
+    """A weight's Q4_0 / Q5_0 / Q8_0 block bytes [N, K / 32 * block_bytes] -> the same weight as Q8_0 blocks, no loss:
+    each block keeps its fp16 d and stores its integers (code - offset) as int8 codes. The `_1` types' m has no
+    place in Q8_0."""
+    from kvforge.errors import ConfigError
+
+    t = block_type(qtype)
+    if t.qtype not in LOSSLESS_TO_Q8_0:
+        raise ConfigError(f"{t.qtype.name} blocks do not convert to Q8_0 without loss; convertible: "
+                          f"{', '.join(q.name for q in LOSSLESS_TO_Q8_0)}")
+    if t.qtype == Q.Q8_0:
+        return blocks
+    flat = blocks.reshape(-1, t.block_bytes)
+    ints = codes(flat, t.qtype).to(torch.int8).view(torch.uint8)
+    return torch.cat((flat[:, :2], ints), dim=1).reshape(blocks.shape[0], -1)
+
+
 def rows_of(blocks: torch.Tensor, qtype: Q | int, index: torch.Tensor) -> torch.Tensor:
     """The fp32 rows `index` (any shape) of a block weight: an embedding lookup that dequantizes only those rows."""
     return dequantize(blocks[index.reshape(-1)], qtype).view(*index.shape, -1)

@@ -55,6 +55,21 @@ def test_k_quant_tensors_are_the_files_bytes_and_dequantize_as_the_fp32_load(gem
     assert torch.equal(blocks_of(layer.mlp.down_proj.weight).dequantized(), fp32.mlp.down_proj.weight)
 
 
+def test_mixed_q5_0_q8_0_qkv_fuses_as_q8_0_and_weights_stay_within_1_1x_the_file(gemma_path, gemma_auto):
+    from kvforge.models.weight_store import planned_bytes, prepare_weights, resident_bytes
+
+    buf = _open(gemma_path)
+    table = {t.name: t for t in read_gguf_header(gemma_path, buf)[1]}
+    assert Q(table["blk.0.attn_q.weight"].qtype) == Q.Q5_0 and Q(table["blk.0.attn_v.weight"].qtype) == Q.Q8_0
+    for i, layer in enumerate(gemma_auto.model.model.layers):  # 10 layers of Q5_0 q/k with a Q8_0 v, 8 all Q5_0
+        parts = {Q(table[f"blk.{i}.attn_{x}.weight"].qtype) for x in "qkv"}
+        assert blocks_of(layer.self_attn.qkv_weight).qtype == (Q.Q8_0 if len(parts) > 1 else parts.pop())
+    prepare_weights(gemma_auto.model)
+    held = resident_bytes(gemma_auto.model)
+    assert held <= 1.1 * sum(t.nbytes for t in table.values())
+    assert planned_bytes(gemma_auto.config, "auto", gemma_path) == held
+
+
 def test_decode_runs_k_quants_through_the_bridge_with_the_per_op_tokens(gemma_path, gemma_auto, monkeypatch):
     from kvforge.models import bridged
     from kvforge.models.gemma import GemmaForCausalLM

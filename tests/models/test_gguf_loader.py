@@ -319,3 +319,55 @@ def test_weights_auto_keeps_block_tensors_and_computes_what_fp32_does(tmp_path: 
                      (auto.model.lm_head.weight, fp32.model.lm_head.weight)):
             got, want = linear(x, a), linear(x, b)
             assert ((got - want).norm() / want.norm()).item() < tol
+
+
+def test_mixed_offset_only_parts_fuse_as_q8_0_blocks(tmp_path: Path, monkeypatch) -> None:
+    """q/k/v or gate/up parts of different types that all convert to Q8_0 without loss (Q4_0, Q5_0, Q8_0, as Gemma 3's
+    Q5_0 q/k beside a Q8_0 v) fuse as Q8_0 blocks: the same state dict as the fp32 load, each part a view of the fused
+    blocks, the plan counting what the model holds, decode through the bridge giving the per-op path's tokens and
+    many-row outputs close to fp32's. A Q5_1 part (its min has no place in Q8_0) still fuses as fp32."""
+    from kvforge import LLM, EngineConfig, SamplingParams
+    from kvforge.engine.engine import LLMEngine
+    from kvforge.models.int8_weights import linear
+    from kvforge.models.llama import LlamaForCausalLM
+    from kvforge.models.loader import load_model
+    from kvforge.models.quant_weights import blocks_of
+    from kvforge.models.weight_store import planned_bytes, prepare_weights, resident_bytes
+
+    weights = hf_weights(np.random.default_rng(3), "llama")
+    mixed = {"0.self_attn.q_proj": Q.Q5_0, "0.self_attn.k_proj": Q.Q4_0, "0.self_attn.v_proj": Q.Q8_0,
+             "0.mlp.gate_proj": Q.Q4_0, "0.mlp.up_proj": Q.Q5_0,
+             "1.self_attn.q_proj": Q.Q5_1, "1.self_attn.k_proj": Q.Q5_0, "1.self_attn.v_proj": Q.Q8_0}
+    types = {f"model.layers.{k}.weight": t for k, t in mixed.items()}
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, "llama", weights, types)
+    auto, fp32 = load_model(str(path), weights="auto"), load_model(str(path))
+    ours, theirs = auto.model.state_dict(), fp32.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    layers, fp32_layers = auto.model.model.layers, fp32.model.model.layers
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    for fused, parts in ((attn.qkv_weight, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                         (mlp.gate_up_weight, (mlp.gate_proj, mlp.up_proj))):
+        qb = blocks_of(fused)
+        assert qb is not None and qb.qtype == Q.Q8_0
+        for part in parts:
+            held = blocks_of(part.weight)
+            assert held.qtype == Q.Q8_0 and held.data.untyped_storage().data_ptr() == qb.data.untyped_storage().data_ptr()
+    assert blocks_of(layers[1].self_attn.qkv_weight) is None  # Q5_1, Q5_0, Q8_0: fused as fp32
+    prepare_weights(auto.model)
+    assert planned_bytes(auto.config, "auto", str(path)) == resident_bytes(auto.model)
+    x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(4))
+    for a, b in ((layers[0].self_attn.qkv_weight, fp32_layers[0].self_attn.qkv_weight),
+                 (layers[0].mlp.gate_up_weight, fp32_layers[0].mlp.gate_up_weight)):
+        got, want = linear(x, a), linear(x, b)
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+
+    def tokens() -> list[list[int]]:
+        engine = LLMEngine(EngineConfig(kv_cache_memory="16MiB", weights="auto"), auto)
+        return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(["abc", "hello!"], params)]
+
+    on = tokens()
+    monkeypatch.setattr(LlamaForCausalLM, "use_bridge", False)
+    assert tokens() == on and all(len(t) == 8 for t in on)

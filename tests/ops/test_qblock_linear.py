@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from kvforge.errors import ConfigError
 from kvforge.ops.build import load_compiled
 from kvforge.ops.int8 import quantize_blocks
 from kvforge.ops.qblocks import (
@@ -18,6 +19,7 @@ from kvforge.ops.qblocks import (
     qblock_linear_reference,
     qblock_panel_linear_reference,
     rows_of,
+    to_q8_0,
 )
 
 TYPES = [t for t, kind in BLOCK_TYPES.items() if kind.values == 32]  # K-quants: test_kquant_linear.py
@@ -41,6 +43,21 @@ def test_dequantize_equals_gguf_bit_for_bit(qtype):
     assert got.shape == (7, 96) and torch.equal(got.view(torch.int32), expected.view(torch.int32))
     index = torch.tensor([[3, 0], [6, 3]])
     assert torch.equal(rows_of(blocks, qtype, index), expected[index])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
+def test_offset_only_blocks_convert_to_q8_0_without_loss(qtype):
+    blocks, _ = block_weight(qtype, 5, 128, seed=3)
+    q8 = to_q8_0(blocks, qtype)
+    assert q8.dtype == torch.uint8 and q8.shape == (5, 128 // 32 * 34)
+    assert torch.equal(dequantize(q8, Q.Q8_0).view(torch.int32), dequantize(blocks, qtype).view(torch.int32))
+    assert torch.equal(q8.view(-1, 34)[:, :2], blocks.view(-1, BLOCK_TYPES[qtype].block_bytes)[:, :2])  # same d
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_1, Q.Q4_K], ids=lambda t: t.name)
+def test_types_with_a_min_or_super_blocks_do_not_convert_to_q8_0(qtype):
+    with pytest.raises(ConfigError, match="without loss"):
+        to_q8_0(torch.zeros(2, BLOCK_TYPES[qtype].block_bytes, dtype=torch.uint8), qtype)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
