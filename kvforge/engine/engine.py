@@ -12,24 +12,16 @@ import torch
 from kvforge.config import EngineConfig, check_max_model_len
 from kvforge.engine.grammar import RequestGrammar
 from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
+from kvforge.engine.kv_budget import budget_split, size_kv
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.speculative.build import build_speculator, check_speculation, load_draft_model
-from kvforge.engine.speculative.draft_model import shared_num_blocks
 from kvforge.engine.stop import check_stop
 from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
 from kvforge.kv.groups import build_groups, state_bytes_per_sequence
 from kvforge.kv.manager import KVCacheManager
-from kvforge.kv.memory import (
-    blocks_for_tokens,
-    bytes_per_block,
-    checkpoint_budget,
-    num_blocks_for_budget,
-    sequences_for_budget,
-    side_bytes,
-)
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.tiers.keys import ModelKey
@@ -92,8 +84,13 @@ class LLMEngine:
                 prepare_bridge(weights.model)
         self.weight_bytes = sum(resident_bytes(w.model) for w in (self.loaded, self.draft) if w is not None)
         release_freed_memory()  # loading, quantizing and packing left freed temporaries in the heap
-        self.max_model_len_capped_from: int | None = None  # the model's context, when the KV budget capped it
-        num_blocks = self._num_blocks()
+        draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
+        self.kv_sizing = size_kv(config, self.kv_spec, self.format, self.groups, draft_spec, self.state_bytes,
+                                 self.policy.evicts, self.max_model_len, self.device)
+        self.kv_budget_bytes, self.checkpoint_bytes = self.kv_sizing.budget_bytes, self.kv_sizing.checkpoint_bytes
+        self.max_num_seqs, num_blocks = self.kv_sizing.max_num_seqs, self.kv_sizing.num_blocks
+        self.max_model_len = self.kv_sizing.max_model_len
+        self.max_model_len_capped_from = self.kv_sizing.capped_from  # the model's context, when the budget capped it
         # an evicting sequence's blocks no longer hold its token prefix: no prefix sharing under eviction
         prefix = config.enable_prefix_caching and not self.policy.evicts
         self.kv = KVCacheManager(self.kv_spec, self.format, num_blocks, config.block_size, self.device, config.kv_layout,
@@ -148,72 +145,11 @@ class LLMEngine:
         draft = ModelKey.of(self.draft.model, self.draft.config) if self.draft is not None else None
         return ModelKey.of(self.loaded.model, self.model_config, self.weights_mode, draft)
 
-    def _num_blocks(self) -> int:
-        c = self.config
-        budget = c.kv_cache_memory
-        if budget is None:
-            budget = int(_free_memory_bytes(self.device) * c.kv_cache_memory_fraction)
-        self.kv_budget_bytes = budget
-        self.checkpoint_bytes = self._checkpoint_budget(budget)  # taken out of the KV budget
-        budget -= self.checkpoint_bytes
-        draft_spec = self.draft.config.kv_cache_spec() if self.draft else None
-        draft_side = side_bytes(draft_spec, self.format, c.block_size, 1) if draft_spec else 0
-        # a format's fp16 windows are per running sequence: as many as the budget can run beside its blocks
-        self.max_num_seqs = sequences_for_budget(self.kv_spec, self.format, c.block_size, budget, c.max_num_seqs,
-                                                 c.kv_staging_share, self.groups, draft_side)
-        if draft_spec is None:
-            num_blocks = num_blocks_for_budget(self.kv_spec, self.format, c.block_size, budget, self.max_num_seqs, self.groups,
-                                               self.state_bytes)
-            if num_blocks < 0:  # no attention layer: blocks cost nothing, they only key the prefix tree
-                num_blocks = 2 * self.max_num_seqs * blocks_for_tokens(self.max_model_len, c.block_size)
-        else:  # each block also holds the draft model's K/V of the same tokens
-            num_blocks = shared_num_blocks(self.kv_spec, self.groups, draft_spec, self.format, c.block_size, budget,
-                                           self.max_num_seqs)
-        need = self._blocks_one_sequence(self.max_model_len)
-        if num_blocks < need and c.max_model_len is None and num_blocks > 0:
-            lengths = range(c.block_size, self.max_model_len + 1, c.block_size)
-            fits = max((n for n in lengths if self._blocks_one_sequence(n) <= num_blocks), default=0)
-            if fits:  # the model's full context does not fit: cap it
-                self.max_model_len_capped_from = self.max_model_len
-                self.max_model_len, need = fits, self._blocks_one_sequence(fits)
-        if num_blocks < need or num_blocks == 0:
-            per_block = bytes_per_block(self.kv_spec, self.format, c.block_size, self.groups)
-            per_block += bytes_per_block(draft_spec, self.format, c.block_size) if draft_spec else 0
-            if self.state_bytes and num_blocks == 0:
-                kept = f" (after {self.checkpoint_bytes} for state checkpoints)" if self.checkpoint_bytes else ""
-                raise ConfigError(f"a KV budget of {budget} bytes{kept} does not hold the recurrent state of "
-                                  f"max_num_seqs={self.max_num_seqs} sequences ({self.state_bytes} bytes each) and one "
-                                  "block; raise kv_cache_memory or lower max_num_seqs")
-            raise ConfigError(
-                f"a KV budget of {budget} bytes holds {num_blocks} blocks of {c.block_size} tokens, but one sequence of "
-                f"max_model_len={self.max_model_len} needs {need} ({need * per_block} bytes); "
-                "raise kv_cache_memory or lower max_model_len")
-        return num_blocks
-
-    def _checkpoint_budget(self, budget: int) -> int:
-        """Bytes of the KV budget that hold recurrent state checkpoints (prefix caching on a recurrent model)."""
-        c = self.config
-        if not self.state_bytes or not c.enable_prefix_caching or c.kv_layout != "paged" or self.policy.evicts:
-            return 0  # the same conditions as the manager's prefix tree
-        share = checkpoint_budget(budget, self.state_bytes, c.state_checkpoint_memory)
-        if share > budget:
-            raise ConfigError(f"state_checkpoint_memory={share} is more than the KV budget of {budget} bytes")
-        return share
-
     def kv_budget_split(self) -> dict:
-        """Where the KV budget went: blocks (the draft model's K/V included), per-sequence staging (fp16 windows
-        and sinks of `kv_staging_sequences` running sequences), recurrent state slots and checkpoints, and the rest (less than one block, unallocated)."""
-        c, draft = self.config, self.draft.config.kv_cache_spec() if self.draft else None
-        per_block = self.kv.block_bytes + (bytes_per_block(draft, self.format, c.block_size) if draft else 0)
-        staging = side_bytes(self.kv_spec, self.format, c.block_size, self.max_num_seqs, self.groups)
-        staging += side_bytes(draft, self.format, c.block_size, self.max_num_seqs) if draft else 0
-        blocks = self.kv.allocator.num_blocks * per_block
-        states = self.state_bytes * self.max_num_seqs  # recurrent layers' state slots, one per running sequence
-        return {"kv_budget_bytes": self.kv_budget_bytes, "kv_block_bytes_total": blocks, "kv_staging_bytes": staging,
-                "kv_staging_sequences": self.max_num_seqs if staging else 0, "kv_state_slot_bytes": states,
-                "kv_state_checkpoint_bytes": self.checkpoint_bytes,
-                "kv_other_bytes": self.kv_budget_bytes - blocks - staging - states - self.checkpoint_bytes,
-                "max_num_seqs": self.max_num_seqs, "max_num_seqs_asked": c.max_num_seqs}
+        """Where the KV budget went (kvforge.engine.kv_budget.budget_split)."""
+        draft = self.draft.config.kv_cache_spec() if self.draft else None
+        return budget_split(self.config, self.kv_sizing, self.kv_spec, self.format, self.groups, draft,
+                            self.kv.block_bytes, self.kv.allocator.num_blocks, self.state_bytes)
 
     def capped_note(self) -> str:
         """Why max_model_len is below the model's context, when the KV budget capped it; else empty."""
@@ -222,15 +158,6 @@ class LLMEngine:
         return (f" (capped from the model's context of {self.max_model_len_capped_from:,} tokens so that one sequence "
                 f"fits the KV budget of {self.kv_budget_bytes / 2**20:.0f} MiB; raise kv_cache_memory (--kv-memory) "
                 "for longer sequences)")
-
-    def _blocks_one_sequence(self, length: int) -> int:
-        """Blocks one sequence of `length` tokens may hold at once: a sliding group holds its window plus the
-        step's new tokens (a prefill chunk of up to max_num_batched_tokens), not more than the whole length."""
-        c, whole = self.config, blocks_for_tokens(length, self.config.block_size)
-        if c.kv_layout == "contiguous":
-            return whole * len(self.groups)
-        return sum(min(whole, blocks_for_tokens(g.window + c.max_num_batched_tokens, c.block_size) + 1)
-                   if g.sliding else whole for g in self.groups)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -475,11 +402,3 @@ class LLMEngine:
             s.update(self.runner.speculator.stats())
         return s
 
-
-def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info.get("MemAvailable", info["MemFree"])

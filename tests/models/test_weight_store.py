@@ -77,12 +77,12 @@ def test_steps_make_no_weight_copy(tiny, weights):
 def test_the_kv_budget_is_sized_after_every_layout_exists(tmp_path, monkeypatch):
     """qwen3 (q/k norms: the layer bridge does not serve it) multiplies through ops `linear` too: its panels exist
     before the engine reads the free memory its KV pool is sized from, and steps add none."""
-    import kvforge.engine.engine as engine_module
+    from kvforge.engine import kv_budget
 
     write_tiny_model("qwen3", tmp_path)
     loaded = load_model(str(tmp_path))
     seen = []
-    monkeypatch.setattr(engine_module, "_free_memory_bytes", lambda device: seen.append(resident_bytes(loaded.model))
+    monkeypatch.setattr(kv_budget, "free_memory_bytes", lambda device: seen.append(resident_bytes(loaded.model))
                         or 64 << 20)
     engine = LLMEngine(EngineConfig(kv_cache_memory_fraction=0.5), loaded)
     _run(engine, [list(range(1, 40)) for _ in range(9)], 3)
