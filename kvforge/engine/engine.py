@@ -12,6 +12,7 @@ import torch
 from kvforge.config import EngineConfig, check_max_model_len
 from kvforge.engine.grammar import RequestGrammar
 from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
+from kvforge.engine.reconstruction import reconstruction_scores
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
@@ -105,7 +106,8 @@ class LLMEngine:
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, self.layer_windows, decode)
         if self.policy.evicts:
-            self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
+            self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None),
+                                          self._reconstruct if self.policy.reconstructs else None)
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.speculative_config:
@@ -418,6 +420,11 @@ class LLMEngine:
             seq.metrics.finished_time = now
         seq.metrics.generated_tokens = seq.num_output_tokens
         return kept
+
+    def _reconstruct(self, seq: Sequence, policy) -> torch.Tensor:
+        """kvzip's scoring pass over seq (kvforge.engine.reconstruction), its instruction in this model's tokens."""
+        encode = self.tokenizer.encode if self.tokenizer is not None else None
+        return reconstruction_scores(self.runner, seq, policy.repeat_ids(encode), policy.chunk, policy.scope == "head")
 
     def commit(self, batch: ScheduledBatch, stats: AttentionStats | None = None,
                rejected: dict[str, int] | None = None, uncached: set[str] = frozenset()) -> None:
