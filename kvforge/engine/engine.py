@@ -106,6 +106,10 @@ class LLMEngine:
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, self.layer_windows, decode)
         if self.policy.evicts:
+            if self.policy.reconstructs:  # kvzip's instruction in this model's tokens (text needs the tokenizer)
+                tokenizer = self.tokenizer
+                encode = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else None
+                self._repeat_ids = self.policy.repeat_ids(encode)
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None),
                                           self._reconstruct if self.policy.reconstructs else None)
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
@@ -133,6 +137,9 @@ class LLMEngine:
         if config.kv_tiers:
             raise ConfigError(f"kv_tiers is not supported on a model with recurrent layers ({kinds}) yet: tiers do not "
                               "store their states; leave kv_tiers unset")
+        if self.policy.reconstructs:
+            raise ConfigError(f"kv_policy {self.policy.name!r} is not supported on a model with recurrent layers ({kinds}): "
+                              "its scoring pass would run over their state; use another policy")
         if config.speculative and config.speculative.method != "ngram":
             raise ConfigError(f"speculative method {config.speculative.method!r} is not supported on a model with "
                               f"recurrent layers ({kinds}): its drafter would run the target's layers over their state; "
@@ -423,8 +430,7 @@ class LLMEngine:
 
     def _reconstruct(self, seq: Sequence, policy) -> torch.Tensor:
         """kvzip's scoring pass over seq (kvforge.engine.reconstruction), its instruction in this model's tokens."""
-        encode = self.tokenizer.encode if self.tokenizer is not None else None
-        return reconstruction_scores(self.runner, seq, policy.repeat_ids(encode), policy.chunk, policy.scope == "head")
+        return reconstruction_scores(self.runner, seq, self._repeat_ids, policy.chunk, policy.scope == "head")
 
     def commit(self, batch: ScheduledBatch, stats: AttentionStats | None = None,
                rejected: dict[str, int] | None = None, uncached: set[str] = frozenset()) -> None:

@@ -13,15 +13,16 @@ from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView, top_wi
 class KVzipPolicy(KVPolicy):
     """KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", 2025,
     arXiv:2505.23416; kvpress's KVzipPress). When a prompt's prefill completes, the model is asked to repeat it:
-    a scoring pass feeds `repeat_prompt` and then the prompt's own tokens after the cached context, and each cached
-    pair scores the largest attention it receives from those queries (max over the queries and over the query heads
-    of its KV head). The top `budget` (a fraction of the prompt, or a count) stay per layer and KV head, the scoring
+    a scoring pass feeds `repeat_prompt` and then the prompt's own tokens after the cached context, `chunk` of them
+    per forward (the paper's chunked scoring: each forward's rows are dropped before the next), and each cached pair
+    scores the largest attention it receives from those queries (max over the queries and over the query heads of
+    its KV head; kvforge.engine.reconstruction). The top `budget` (a fraction of the prompt, or a count) stay per layer and KV head, the scoring
     pass's own K/V rows are discarded and its blocks freed. Generated tokens are all kept (the prompt is compressed
     once, as SnapKV), and decode records no attention, so it stays on the compiled operator.
 
     repeat_prompt: the instruction before the repeated context, text (encoded with the model's tokenizer) or token
         ids (the paper: "Repeat the previous context exactly.", in the model's chat template).
-    chunk: tokens of the scoring pass per forward (the paper scores in chunks too: memory ~ heads x chunk x keys).
+    chunk: context tokens repeated per forward of the scoring pass (memory: len(repeat) + chunk rows beside the cache).
     sinks: the first tokens, always kept. scope: "head" (each layer and KV head keeps its own pairs, the paper) or
         "layer" (scores summed over the KV heads).
     """
