@@ -126,3 +126,15 @@ def test_kvzip_text_instruction_needs_a_tokenizer(tiny_loaded):
         _engine(tiny_loaded, kv_policy_options={"budget": 0.5})  # the tiny model has no tokenizer
     with pytest.raises(ConfigError, match="chunk must be"):
         _engine(tiny_loaded, kv_policy_options={"chunk": 0, "repeat_prompt": REPEAT})
+
+
+def test_kvzip_pass_halves_its_chunk_to_fit(tiny_loaded):
+    """8 blocks hold the prompt (43 rows), the instruction and 16 repeated tokens, not 32: a chunk of 64 halves to
+    16 and the answer is the one chunk 16 gives."""
+    block_bytes = _engine(tiny_loaded).kv.block_bytes
+    tight = _engine(tiny_loaded, kv_cache_memory=8 * block_bytes,
+                    kv_policy_options={"budget": 0.5, "repeat_prompt": REPEAT, "chunk": 64})
+    assert tight.kv.num_blocks == 8
+    roomy = _engine(tiny_loaded)
+    assert _generate(tight, PROMPT, 8).token_ids == _generate(roomy, PROMPT, 8).token_ids
+    assert tight.stats()["kv_blocks_used_peak"] == 8
