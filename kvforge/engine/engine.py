@@ -77,6 +77,9 @@ class LLMEngine:
         check_tier_groups(config.kv_tiers, self.groups)
         self.policy = build_policy(config.kv_policy, config.kv_policy_options)
         check_policy_groups(self.policy, self.groups)
+        if self.policy.reconstructs and config.speculative and config.speculative.method != "ngram":
+            raise ConfigError(f"kv_policy {self.policy.name!r} with speculative method {config.speculative.method!r}: "
+                              "its drafter would mirror the scoring pass into its own cache; use 'ngram'")
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")

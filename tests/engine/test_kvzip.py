@@ -121,9 +121,11 @@ def test_kvzip_decodes_on_the_compiled_operator(tiny_loaded, monkeypatch):
     assert len(calls) >= 9  # each decode step (one call per layer or more)
 
 
-def test_kvzip_text_instruction_needs_a_tokenizer(tiny_loaded):
+def test_kvzip_refuses_what_it_cannot_do(tiny_loaded):
     with pytest.raises(ConfigError, match="repeat_prompt is text"):
         _engine(tiny_loaded, kv_policy_options={"budget": 0.5})  # the tiny model has no tokenizer
+    with pytest.raises(ConfigError, match="mirror the scoring pass"):
+        _engine(tiny_loaded, speculative={"method": "layer_skip", "num_layers": 1})
     with pytest.raises(ConfigError, match="chunk must be"):
         _engine(tiny_loaded, kv_policy_options={"chunk": 0, "repeat_prompt": REPEAT})
 
