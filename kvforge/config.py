@@ -31,7 +31,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    # full | window | streaming | h2o | scissorhands | snapkv | tova | keydiff | expected_attention; None = full
+    # full | window | streaming | h2o | scissorhands | snapkv | tova | keydiff | expected_attention | kvzip; None = full
     kv_policy: str | None = None
     kv_cache_groups: bool = True  # sliding-window layers in their own KV groups (False: every layer keeps its history)
     kv_policy_options: dict | None = None  # e.g. {"budget": 1024, "sinks": 4}; budget < 1.0 = fraction of the length

@@ -84,12 +84,12 @@ def format_kwargs(args: argparse.Namespace) -> dict:
 
 def add_policy_options(g) -> None:
     g.add_argument("--kv-policy", default=None, choices=["full", "window", "streaming", "h2o", "scissorhands", "snapkv", "keydiff", "tova",
-                                                           "expected_attention"],
+                                                           "expected_attention", "kvzip"],
                    help="KV eviction policy, on full-attention layers (default: full; sliding-window layers "
                         "free what falls behind their window anyway)")
     g.add_argument("--budget", type=_budget, default=None,
                    help="KV tokens kept by --kv-policy: a count (1024) or a fraction (0.5) of the tokens seen "
-                        "(default: 1024 for window and streaming, 0.5 for h2o, scissorhands, snapkv, keydiff and tova)")
+                        "(default: 1024 for window and streaming, 0.5 for h2o, scissorhands, snapkv, keydiff, tova, expected_attention and kvzip)")
     g.add_argument("--kv-policy-options", default=None,
                    help='more policy options as JSON, e.g. \'{"sinks": 4}\' (default: none)')
 

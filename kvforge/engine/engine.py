@@ -13,6 +13,7 @@ from kvforge.config import EngineConfig, check_max_model_len
 from kvforge.engine.grammar import RequestGrammar
 from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
 from kvforge.engine.kv_budget import budget_split, size_kv
+from kvforge.engine.reconstruction import reconstruction_scores
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
@@ -68,6 +69,9 @@ class LLMEngine:
         check_tier_groups(config.kv_tiers, self.groups)
         self.policy = build_policy(config.kv_policy, config.kv_policy_options)
         check_policy_groups(self.policy, self.groups)
+        if self.policy.reconstructs and config.speculative and config.speculative.method != "ngram":
+            raise ConfigError(f"kv_policy {self.policy.name!r} with speculative method {config.speculative.method!r}: "
+                              "its drafter would mirror the scoring pass into its own cache; use 'ngram'")
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
         if self.policy.evicts and config.kv_layout != "paged":
             raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
@@ -102,7 +106,12 @@ class LLMEngine:
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, self.layer_windows, decode)
         if self.policy.evicts:
-            self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None))
+            if self.policy.reconstructs:  # kvzip's instruction in this model's tokens (text needs the tokenizer)
+                tokenizer = self.tokenizer
+                encode = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else None
+                self._repeat_ids = self.policy.repeat_ids(encode)
+            self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None),
+                                          self._reconstruct if self.policy.reconstructs else None)
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.speculative_config:
@@ -130,6 +139,9 @@ class LLMEngine:
             raise ConfigError(f"kv_tiers on a model with recurrent layers ({kinds}) hold swapped sequences only (tiers "
                               "do not store state checkpoints for the prefix cache): set preemption_mode='swap' or "
                               "leave kv_tiers unset")
+        if self.policy.reconstructs:
+            raise ConfigError(f"kv_policy {self.policy.name!r} is not supported on a model with recurrent layers ({kinds}): "
+                              "its scoring pass would run over their state; use another policy")
         if config.speculative and config.speculative.method != "ngram":
             raise ConfigError(f"speculative method {config.speculative.method!r} is not supported on a model with "
                               f"recurrent layers ({kinds}): its drafter would run the target's layers over their state; "
@@ -347,6 +359,10 @@ class LLMEngine:
             seq.metrics.finished_time = now
         seq.metrics.generated_tokens = seq.num_output_tokens
         return kept
+
+    def _reconstruct(self, seq: Sequence, policy) -> torch.Tensor:
+        """kvzip's scoring pass over seq (kvforge.engine.reconstruction), its instruction in this model's tokens."""
+        return reconstruction_scores(self.runner, seq, self._repeat_ids, policy.chunk, policy.scope == "head")
 
     def commit(self, batch: ScheduledBatch, stats: AttentionStats | None = None,
                rejected: dict[str, int] | None = None, uncached: set[str] = frozenset()) -> None:

@@ -1,4 +1,4 @@
-"""KV eviction policies: full, window, streaming, h2o, scissorhands, snapkv, keydiff, tova, expected_attention (one dataclass each).
+"""KV eviction policies: full, window, streaming, h2o, scissorhands, snapkv, keydiff, tova, expected_attention, kvzip (one dataclass each).
 
 How they fit the engine:
 - Every full-attention layer keeps the same number of rows, so a sequence keeps one block table;
@@ -21,12 +21,13 @@ from kvforge.kv.policies.evictor import Evictor
 from kvforge.kv.policies.expected_attention import ExpectedAttentionPolicy
 from kvforge.kv.policies.h2o import H2OPolicy
 from kvforge.kv.policies.keydiff import KeyDiffPolicy
+from kvforge.kv.policies.kvzip import KVzipPolicy
 from kvforge.kv.policies.scissorhands import ScissorhandsPolicy
 from kvforge.kv.policies.snapkv import SnapKVPolicy
 from kvforge.kv.policies.streaming import StreamingPolicy
 from kvforge.kv.policies.tova import TOVAPolicy
 from kvforge.kv.policies.window import WindowPolicy
 
-__all__ = ["Evictor", "ExpectedAttentionPolicy", "FullPolicy", "H2OPolicy", "KVPolicy", "KeyDiffPolicy", "PolicyState", "ScissorhandsPolicy", "SequenceView", "SnapKVPolicy",
+__all__ = ["Evictor", "ExpectedAttentionPolicy", "FullPolicy", "H2OPolicy", "KVPolicy", "KVzipPolicy", "KeyDiffPolicy", "PolicyState", "ScissorhandsPolicy", "SequenceView", "SnapKVPolicy",
            "StreamingPolicy", "TOVAPolicy", "WindowPolicy", "build_policy",
            "check_policy_groups"]

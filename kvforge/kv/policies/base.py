@@ -97,6 +97,8 @@ class KVPolicy:
     registry: ClassVar[dict[str, type[KVPolicy]]] = {}
     needs_attention: ClassVar[bool] = False
     sums_queries: ClassVar[bool] = False  # observe only needs attention summed over queries (per-layer stats sum early)
+    max_over_queries: ClassVar[bool] = False  # observe gets each key's max over the asked queries (kvzip)
+    reconstructs: ClassVar[bool] = False  # runs a scoring pass of its own at the end of the prompt (kvzip)
     scopes: ClassVar[tuple[str, ...]] = ("sequence",)  # what may keep its own rows: sequence, layer, head
     rope_by_cache_index: ClassVar[bool] = False  # True: RoPE positions are cache indices (unbounded context)
     default_budget: ClassVar[int | float | None] = None  # what build_policy gives when no budget is set

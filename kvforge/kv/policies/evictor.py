@@ -14,8 +14,11 @@ from kvforge.kv.policies.values import value_norms
 
 
 class Evictor:
-    def __init__(self, policy: KVPolicy, kv, rotary=None):
+    def __init__(self, policy: KVPolicy, kv, rotary=None, reconstruct=None):
         self.policy, self.kv = policy, kv
+        self.reconstruct = reconstruct  # (seq, policy) -> scores of a scoring pass (kvzip; the engine's runner)
+        if policy.reconstructs and reconstruct is None:
+            raise ConfigError(f"kv_policy {policy.name!r} runs a scoring pass of its own; it needs the engine's runner")
         self.rotary = rotary if policy.rope_by_cache_index else None
         self.inv_freq = getattr(rotary, "inv_freq", None)  # for policies that turn queries to future positions
         if policy.needs_queries and self.inv_freq is None:
@@ -56,7 +59,10 @@ class Evictor:
         if not self.policy.per_layer:
             return AttentionStats(rows, query_heads=self.policy.query_heads)
         if self.policy.needs_queries:
-            return AttentionStats(rows, per_layer=True, settled=dict(rows), wants_queries=True)  # attention summed early
+            return AttentionStats(rows, per_layer=True, settled=dict(rows), wants_queries=True)
+        if self.policy.max_over_queries:
+            return AttentionStats(rows, per_layer=True, settled=dict(rows), query_heads=self.policy.query_heads,
+                                  max_queries=True)  # attention summed early
         # queries that are not drafts are never rolled back: a policy that only sums queries sums them at once
         drafts = num_drafts or [0] * len(seqs)
         settled = {i: max(0, r - drafts[i]) for i, r in rows.items()} if self.policy.sums_queries else {}
@@ -67,6 +73,10 @@ class Evictor:
         then compact the ones over budget."""
         for i, seq in enumerate(seqs):
             view = self.view(seq)
+            if self.policy.reconstructs and self.policy.wants_scoring(view):
+                view.state.pending = True
+                self.policy.observe(view.state, self.reconstruct(seq, self.policy))
+                view = self.view(seq)
             cut = (rejected or {}).get(seq.request_id, 0)
             if stats is not None and stats.per_layer:
                 found = stats.layer_attention(i, cut, per_head=self.policy.scope == "head")

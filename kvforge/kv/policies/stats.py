@@ -12,6 +12,8 @@ get their last k rows recomputed explicitly.
   (each key's largest probability over them, so a key one head needs is not outvoted by the others).
   The first `settled[row]` queries of a row (never rolled back: they are not drafts) are summed as they
   arrive, so a long prefill chunk costs [kv_heads, context_len] per layer; the others stay one by one.
+- `max_queries` (kvzip): each key's largest probability over the asked queries, not renormalized, folded on
+  arrival as the settled entry (so a scoring pass over thousands of queries costs [kv_heads, context_len]).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class AttentionStats:
     wants_queries: bool = False  # also record the asked rows' queries (after RoPE) per layer (expected_attention)
     queries: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # row -> per layer [k, heads, dim]
     query_positions: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [k] their RoPE positions
+    max_queries: bool = False  # per layer: the max over the asked queries instead of their sum (kvzip)
 
     def add(self, row: int, attn: torch.Tensor) -> None:
         """attn: [kv_heads, k, context_len], one layer's attention of row's asked queries."""
@@ -38,6 +41,9 @@ class AttentionStats:
             attn = attn.sum(0)
             prev = self.sums.get(row)
             self.sums[row] = attn if prev is None else prev + attn
+            return
+        if self.max_queries:
+            self.layers.setdefault(row, []).append((attn.amax(1), attn[:, :0]))
             return
         attn = attn / attn.sum(-1, keepdim=True)
         s = self.settled.get(row, 0)
