@@ -1,12 +1,8 @@
 """kvforge bench: throughput | memory (and more as techniques land)."""
 from __future__ import annotations
 
-import json
-import sys
-
+from kvforge.cli.bench_output import MODEL_HELP, emit, output_options
 from kvforge.cli.common import add_engine_options, engine_kwargs, parse_size
-
-MODEL_HELP = "GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M)"
 
 
 def register(sub) -> None:
@@ -57,7 +53,7 @@ def register(sub) -> None:
                    help="sequences running at once (a recurrent model keeps a state slot for each)")
     x.add_argument("--state-checkpoint-memory", default=None,
                    help="a recurrent model's state checkpoint budget, taken from --budget (default: 1/8 of it)")
-    _output_options(x, model=True)
+    output_options(x, model=True)
     x.set_defaults(func=run_prefix)
 
     f = bsub.add_parser("kv-formats", help="bytes/token, 2k-token sequences per budget, decode speed for each format")
@@ -71,7 +67,7 @@ def register(sub) -> None:
     f.add_argument("--batch", type=int, default=4, help="sequences decoded together")
     f.add_argument("--steps", type=int, default=16, help="decode steps per format per round")
     f.add_argument("--rounds", type=int, default=5, help="rounds of timing, every format once per round (medians)")
-    _output_options(f, model=True)
+    output_options(f, model=True)
     f.set_defaults(func=run_kv_formats)
 
     sp = bsub.add_parser("spec", help="speculative decoding vs plain decoding on grounded and open-ended prompts")
@@ -92,7 +88,7 @@ def register(sub) -> None:
                     help="instead: time steps of 1 to batch x 6 rows, both sides of the layer bridge's row limit, "
                          "against a plain decode step, at each of --batches, and fit the planner's verify_row_cost, "
                          "bridge_jump and bridge_row_cost")
-    _output_options(sp, model=True)
+    output_options(sp, model=True)
     sp.set_defaults(func=run_spec)
 
     ti = bsub.add_parser("tiers", help="TTFT by tier (pool, host, disk, redis, recompute), swap vs recompute, two "
@@ -112,43 +108,13 @@ def register(sub) -> None:
     ti.add_argument("--seed", type=int, default=0, help="workload seed")
     ti.add_argument("--host-write-modes", action="store_true",
                     help="instead: the host tier written back vs written through (time, hit rate of second asks)")
-    _output_options(ti, model=True)
+    output_options(ti, model=True)
     ti.set_defaults(func=run_tiers)
-
-    ll = bsub.add_parser("llama-cpp", help="kvforge vs llama.cpp (F32 GGUF of the same weights) on batched-bench shapes")
-    ll.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
-    ll.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
-    ll.add_argument("--npl", type=int, nargs="+", default=[1, 8, 32], help="batch sizes: sequences run together")
-    ll.add_argument("--threads", type=int, default=None, help="threads of both engines (default: torch's thread count)")
-    ll.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    ll.add_argument("--rounds", type=int, default=3, help="rounds, sides alternating; figures are medians (default: 3)")
-    ll.add_argument("--kvforge-only", action="store_true", help="measure kvforge only (no llama-cpp-python needed)")
-    ll.add_argument("--llama-gguf", default=None,
-                    help="GGUF for llama.cpp as is, e.g. a Q8_0 file (default: an F32 copy of --model, cached)")
-    ll.add_argument("--gguf", default=None, metavar="FILE",
-                    help="both engines on this GGUF as shipped (llama.cpp reads it as is, kvforge with --weights, "
-                         "default auto: its block tensors computed in place); replaces --model and --llama-gguf")
-    ll.add_argument("--llama-no-extra-bufts", action="store_true",
-                    help="llama.cpp without its repacked weight buffers (AMX, CPU repack), for builds that crash with them")
-    ll.add_argument("--weights", default=None, choices=["auto", "fp32", "int8"],
-                    help="kvforge's weights (default: fp32, or auto with --gguf)")
-    _output_options(ll, model=True)
-    ll.set_defaults(func=run_llama_cpp)
-
-    w = bsub.add_parser("weights", help="two weight kinds (fp32, int8, auto) side by side: decode tok/s per batch "
-                                         "size, in one run")
-    w.add_argument("--kinds", nargs=2, default=["fp32", "int8"], choices=["auto", "fp32", "int8"],
-                   help="the two kinds, baseline first (default: fp32 int8; auto = a GGUF's blocks as stored)")
-    w.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
-    w.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
-    w.add_argument("--npl", type=int, nargs="+", default=[1, 8], help="batch sizes: sequences run together")
-    w.add_argument("--rounds", type=int, default=3, help="rounds, each running both kinds (medians reported)")
-    w.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    _output_options(w, model=True)
-    w.set_defaults(func=run_weights)
 
     from kvforge.bench.serve import register_serve
     from kvforge.bench.structured import register_structured
+    from kvforge.cli.bench_weights import register_weights
+    register_weights(bsub)
     register_serve(bsub)
     register_structured(bsub)
 
@@ -160,14 +126,7 @@ def _workload_options(p) -> None:
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
                    help="output tokens, uniform in [MIN, MAX]")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    _output_options(p)
-
-
-def _output_options(p, model: bool = False) -> None:
-    if model:
-        p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    output_options(p)
 
 
 def run_throughput(args) -> int:
@@ -182,7 +141,7 @@ def run_throughput(args) -> int:
     result = throughput_bench(engine, engine.loaded.path, args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
                               args.hf_batch_size, args.seed, args.skip_hf, not args.no_progress,
                               not args.no_same_allocator)
-    _emit(result, args.json, [
+    emit(result, args.json, [
         ("kvforge output tok/s", result["kvforge"]["output_tok_s"]),
         ("transformers output tok/s", result.get("hf", {}).get("output_tok_s")),
         ("speedup", result.get("speedup")),
@@ -204,7 +163,7 @@ def run_memory(args) -> int:
     if args.vs_attention:
         from kvforge.cli.bench_recurrent import run_vs_attention
 
-        return run_vs_attention(args, _emit)
+        return run_vs_attention(args, emit)
     loaded = load_model(args.model)
     budget = parse_size(args.budget) if args.budget else None
     hybrid = {"seq_len": args.hybrid_seq_len, "num_requests": args.hybrid_requests,
@@ -220,7 +179,7 @@ def run_memory(args) -> int:
         ("hybrid: concurrency ratio", h["concurrency_ratio"]),
         ("hybrid: completion time groups / full layers (s)", f'{h["groups"]["seconds"]:.1f} / {h["full_layers"]["seconds"]:.1f}'),
     ]
-    _emit(result, args.json, [
+    emit(result, args.json, [
         ("paged utilization", result["paged"]["utilization"]),
         ("contiguous utilization", result["contiguous"]["utilization"]),
         ("paged peak concurrent seqs", result["paged"]["peak_concurrent_seqs"]),
@@ -241,7 +200,7 @@ def run_prefix(args) -> int:
                      args.max_num_seqs, parse_size(args.state_checkpoint_memory) if args.state_checkpoint_memory else None)
     r["random_weights"] = is_random(args.model)
     on = r["on"]
-    _emit(r, args.json, [
+    emit(r, args.json, [
         ("weights", "RANDOM (kvforge.bench.recurrent_model): engine figures only" if r["random_weights"] else None),
         ("outputs identical off / on", r["outputs_identical"]),
         ("state checkpoints stored / hit / evicted", f'{on["state_checkpoints_stored"]} / {on["state_checkpoints_hit"]} / '
@@ -270,14 +229,14 @@ def run_tiers(args) -> int:
 
         r = host_write_modes(load_model(args.model), args.docs, args.doc_tokens, args.kv_dtype, args.pool_docs,
                              args.host_docs, args.seed, show=not args.no_progress)
-        _emit(r, args.json, list(r.items()))
+        emit(r, args.json, list(r.items()))
         return 0
     r = tiers_bench(load_model(args.model), args.docs, args.doc_tokens, args.kv_dtype, args.pool_docs, args.host_docs,
                     args.disk_docs, args.redis, pressure_requests=args.pressure_requests,
                     pressure_output_tokens=args.pressure_output_tokens, replica_docs=args.replica_docs, seed=args.seed,
                     show=not args.no_progress)
     ratio = r["ttft_ratio"]
-    _emit(r, args.json, [
+    emit(r, args.json, [
         ("second_pass_hit_rate", r["second_pass_hit_rate"]),
         ("asks by prefix source", r["asks_by_source"]),
         ("mean TTFT by source (s)", {k: round(v, 3) for k, v in r["ttft_mean_s"].items()}),
@@ -305,7 +264,7 @@ def run_spec(args) -> int:
         r = {f"b{b}": verify_cost(loaded, batch=b, rows=regime_rows(b)) for b in args.batches}
         if "b1" in r and len(r) > 1:
             r["planner"] = planner_constants(r["b1"], r[f"b{max(args.batches)}"])
-        _emit(r, args.json, [(f"{key} {name}", (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), CPU '
+        emit(r, args.json, [(f"{key} {name}", (f'{row["ms"]:.1f} ms ({row["vs_decode"]:.2f}x a decode step), CPU '
                                                 f'{row["cpu_ms"]:.1f} ms ({row["cpu_vs_decode"]:.2f}x), LM head '
                                                 f'{row["lm_head_ms"]:.1f} ms'))
                              for key, c in r.items() if key != "planner" for name, row in c["steps"].items()]
@@ -332,43 +291,7 @@ def run_spec(args) -> int:
                         f'{row["acceptance_rate"]:.2f}, mean length {row["mean_acceptance_length"]:.2f}, '
                         f'same output {row["same_output"]}')
                 rows.append((f"{name}.{workload}.{key}", text))
-    _emit(r, args.json, rows)
-    return 0
-
-
-def run_llama_cpp(args) -> int:
-    from kvforge.bench.llama_cpp import INSTALL_HINT, llama_cpp_available, llama_cpp_bench
-    from kvforge.errors import ConfigError
-    from kvforge.models.loader import load_model
-
-    if not args.kvforge_only and not llama_cpp_available():
-        raise ConfigError(INSTALL_HINT)
-    model, llama_gguf = (args.gguf, args.gguf) if args.gguf else (args.model, args.llama_gguf)
-    weights = args.weights or ("auto" if args.gguf else "fp32")
-    r = llama_cpp_bench(load_model(model, weights=weights), args.npp, args.ntg, tuple(args.npl), args.threads,
-                        args.seed, args.kvforge_only, llama_gguf, args.rounds, weights, not args.llama_no_extra_bufts)
-    rows = [("threads", r["threads"])]
-    for side in ("kvforge", "llama_cpp"):
-        if side in r:
-            rows += [(f"{side} prefill tok/s", r[side]["prefill_tok_s"])]
-            rows += [(f"{side} decode tok/s, {pl} seqs", r[side][f"b{pl}"]["decode_tok_s"]) for pl in r["npl"]]
-    rows += [(f"ratio.{k}", v) for k, v in r.get("ratio", {}).items()]
-    rows += [(f"ratio_cpu.{k}", v) for k, v in r.get("ratio_cpu", {}).items()]
-    _emit(r, args.json, rows)
-    return 0
-
-
-def run_weights(args) -> int:
-    from kvforge.bench.weights import weights_bench
-    from kvforge.models.loader import load_model
-
-    r = weights_bench(load_model(args.model), tuple(args.kinds), args.npp, args.ntg, tuple(args.npl), args.rounds,
-                      args.seed)
-    rows = [(f"{kind} decode tok/s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_s"]) for kind in r["kinds"]
-            for pl in r["npl"]]
-    rows += [(f"{kind} decode tok per CPU s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_per_cpu_s"])
-             for kind in r["kinds"] for pl in r["npl"]]
-    _emit(r, args.json, rows + [(f"{name}.{k}", v) for name in ("ratio", "ratio_cpu") for k, v in r[name].items()])
+    emit(r, args.json, rows)
     return 0
 
 
@@ -384,7 +307,7 @@ def run_kv_formats(args) -> int:
     if ids:
         r["quality"]["text"] = args.text
     if args.json:
-        _emit(r, True, [])
+        emit(r, True, [])
         return 0
     print(f"budget {r['budget_bytes'] / 2**30:.2f} GiB, {r['seq_len']}-token sequences, decode at batch {r['batch']} "
           f"(medians of {r['rounds']} rounds; fp32 {r['fp32_decode_tok_s']:.1f} tok/s)")
@@ -399,15 +322,3 @@ def run_kv_formats(args) -> int:
               f"{row['capacity_ratio_vs_fp16']:>8.2f} {row['decode_tok_s']:>13.1f} {row['decode_slowdown_vs_fp32']:>8.1%}"
               + (f" {row['delta_pct']:>+9.2f}%" if "quality" in r else ""))
     return 0
-
-
-def _emit(result: dict, as_json: bool, rows: list[tuple[str, object]]) -> None:
-    if as_json:
-        json.dump(result, sys.stdout, indent=2)
-        print()
-        return
-    for name, value in rows:
-        if value is None:
-            continue
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        print(f"{name:<42} {shown}")

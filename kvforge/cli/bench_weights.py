@@ -1,0 +1,75 @@
+"""`kvforge bench llama-cpp` and `kvforge bench weights`: how kvforge's weight layouts compare, with llama.cpp on the
+same GGUF and with each other."""
+from __future__ import annotations
+
+from kvforge.cli.bench_output import emit, output_options
+
+
+def register_weights(bsub) -> None:
+    ll = bsub.add_parser("llama-cpp", help="kvforge vs llama.cpp (F32 GGUF of the same weights) on batched-bench shapes")
+    ll.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
+    ll.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
+    ll.add_argument("--npl", type=int, nargs="+", default=[1, 8, 32], help="batch sizes: sequences run together")
+    ll.add_argument("--threads", type=int, default=None, help="threads of both engines (default: torch's thread count)")
+    ll.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    ll.add_argument("--rounds", type=int, default=3, help="rounds, sides alternating; figures are medians (default: 3)")
+    ll.add_argument("--kvforge-only", action="store_true", help="measure kvforge only (no llama-cpp-python needed)")
+    ll.add_argument("--llama-gguf", default=None,
+                    help="GGUF for llama.cpp as is, e.g. a Q8_0 file (default: an F32 copy of --model, cached)")
+    ll.add_argument("--gguf", default=None, metavar="FILE",
+                    help="both engines on this GGUF as shipped (llama.cpp reads it as is, kvforge with --weights, "
+                         "default auto: its block tensors computed in place); replaces --model and --llama-gguf")
+    ll.add_argument("--llama-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its repacked weight buffers (AMX, CPU repack), for builds that crash with them")
+    ll.add_argument("--weights", default=None, choices=["auto", "fp32", "int8"],
+                    help="kvforge's weights (default: fp32, or auto with --gguf)")
+    output_options(ll, model=True)
+    ll.set_defaults(func=run_llama_cpp)
+
+    w = bsub.add_parser("weights", help="two weight kinds (fp32, int8, auto) side by side: decode tok/s per batch "
+                                         "size, in one run")
+    w.add_argument("--kinds", nargs=2, default=["fp32", "int8"], choices=["auto", "fp32", "int8"],
+                   help="the two kinds, baseline first (default: fp32 int8; auto = a GGUF's blocks as stored)")
+    w.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
+    w.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
+    w.add_argument("--npl", type=int, nargs="+", default=[1, 8], help="batch sizes: sequences run together")
+    w.add_argument("--rounds", type=int, default=3, help="rounds, each running both kinds (medians reported)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    output_options(w, model=True)
+    w.set_defaults(func=run_weights)
+
+
+def run_llama_cpp(args) -> int:
+    from kvforge.bench.llama_cpp import INSTALL_HINT, llama_cpp_available, llama_cpp_bench
+    from kvforge.errors import ConfigError
+    from kvforge.models.loader import load_model
+
+    if not args.kvforge_only and not llama_cpp_available():
+        raise ConfigError(INSTALL_HINT)
+    model, llama_gguf = (args.gguf, args.gguf) if args.gguf else (args.model, args.llama_gguf)
+    weights = args.weights or ("auto" if args.gguf else "fp32")
+    r = llama_cpp_bench(load_model(model, weights=weights), args.npp, args.ntg, tuple(args.npl), args.threads,
+                        args.seed, args.kvforge_only, llama_gguf, args.rounds, weights, not args.llama_no_extra_bufts)
+    rows = [("threads", r["threads"])]
+    for side in ("kvforge", "llama_cpp"):
+        if side in r:
+            rows += [(f"{side} prefill tok/s", r[side]["prefill_tok_s"])]
+            rows += [(f"{side} decode tok/s, {pl} seqs", r[side][f"b{pl}"]["decode_tok_s"]) for pl in r["npl"]]
+    rows += [(f"ratio.{k}", v) for k, v in r.get("ratio", {}).items()]
+    rows += [(f"ratio_cpu.{k}", v) for k, v in r.get("ratio_cpu", {}).items()]
+    emit(r, args.json, rows)
+    return 0
+
+
+def run_weights(args) -> int:
+    from kvforge.bench.weights import weights_bench
+    from kvforge.models.loader import load_model
+
+    r = weights_bench(load_model(args.model), tuple(args.kinds), args.npp, args.ntg, tuple(args.npl), args.rounds,
+                      args.seed)
+    rows = [(f"{kind} decode tok/s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_s"]) for kind in r["kinds"]
+            for pl in r["npl"]]
+    rows += [(f"{kind} decode tok per CPU s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_per_cpu_s"])
+             for kind in r["kinds"] for pl in r["npl"]]
+    emit(r, args.json, rows + [(f"{name}.{k}", v) for name in ("ratio", "ratio_cpu") for k, v in r[name].items()])
+    return 0
