@@ -10,6 +10,7 @@ import traceback
 import torch
 
 from kvforge.config import EngineConfig, check_max_model_len
+from kvforge.engine.combinations import check_combinations
 from kvforge.engine.grammar import RequestGrammar
 from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
 from kvforge.engine.kv_budget import budget_split, size_kv
@@ -19,7 +20,8 @@ from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.speculative.build import build_speculator, check_speculation, load_draft_model
 from kvforge.engine.stop import check_stop
-from kvforge.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from kvforge.engine.weights_mode import weights_for
+from kvforge.errors import InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import get_format
 from kvforge.kv.groups import build_groups, state_bytes_per_sequence
 from kvforge.kv.manager import KVCacheManager
@@ -29,10 +31,7 @@ from kvforge.kv.tiers.keys import ModelKey
 from kvforge.kv.tiers.persist import CLOSE_TIMEOUT_S
 from kvforge.kv.tiers.setup import build_tier_connector, check_tier_groups
 from kvforge.models.bridged import prepare_bridge
-from kvforge.models.int8_weights import int8_loaded
-from kvforge.models.loader import LoadedModel, load_model
-from kvforge.models.quant_weights import holds_blocks
-from kvforge.models.requantize import q8_0_loaded
+from kvforge.models.loader import LoadedModel
 from kvforge.models.weight_store import prepare_weights, resident_bytes
 from kvforge.outputs import RequestOutput
 from kvforge.sampling_params import SamplingParams
@@ -48,17 +47,8 @@ class LLMEngine:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self._request_seeds = random.Random(config.seed)  # seed=None: fresh OS entropy every run
-        self.loaded = loaded or load_model(config.model, self.device, config.weights)
-        if config.weights != "auto" and holds_blocks(self.loaded.model):  # fp32 or int8 asked of a GGUF kept in blocks
-            self.loaded = load_model(self.loaded.path, self.device)
+        self.loaded, self.weights_mode = weights_for(config, loaded, self.device)
         self.model_config = cfg = self.loaded.config
-        # what the weights really are, for the tiers' keys: "auto" over fp32 weights computes as "fp32" does
-        self.weights_mode = "auto:gguf_blocks" if holds_blocks(self.loaded.model) else (
-            "fp32" if config.weights == "auto" else config.weights)
-        if config.weights == "int8":
-            self.loaded = int8_loaded(self.loaded)  # its own module tree with int8 linear weights
-        elif config.weights == "q8_0":
-            self.loaded = q8_0_loaded(self.loaded)  # its own module tree with Q8_0 block weights
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.kv_spec = cfg.kv_cache_spec()
@@ -69,15 +59,10 @@ class LLMEngine:
         check_tier_groups(config.kv_tiers, self.groups)
         self.policy = build_policy(config.kv_policy, config.kv_policy_options)
         check_policy_groups(self.policy, self.groups)
-        if self.policy.reconstructs and config.speculative and config.speculative.method != "ngram":
-            raise ConfigError(f"kv_policy {self.policy.name!r} with speculative method {config.speculative.method!r}: "
-                              "its drafter would mirror the scoring pass into its own cache; use 'ngram'")
         check_max_model_len(self.max_model_len, cfg.max_position_embeddings, self.policy)
-        if self.policy.evicts and config.kv_layout != "paged":
-            raise ConfigError(f"kv_policy {self.policy.name!r} evicts tokens and needs kv_layout='paged'")
         self.state_groups = cfg.state_groups
         self.state_bytes = state_bytes_per_sequence(self.state_groups)  # per running sequence, whatever its length
-        self._check_recurrent(config)
+        check_combinations(config, self.policy, self.state_groups)
         self.speculative_config = config.speculative
         check_speculation(self.speculative_config, self.loaded.model, self.groups, self.policy)
         self.draft = load_draft_model(self.speculative_config, self.loaded, self.device, self.max_model_len,
@@ -129,23 +114,6 @@ class LLMEngine:
         self.jump_forward_tokens = 0  # tokens a grammar forced, appended without a decode step of their own
         if self.tiers is not None:  # the tiers' weights fingerprint read a state dict (int8: dequantized copies)
             release_freed_memory()
-
-    def _check_recurrent(self, config: EngineConfig) -> None:
-        """What recurrent layers do not support yet is refused before anything is allocated."""
-        if not self.state_groups:
-            return
-        kinds = ", ".join(sorted({g.kind for g in self.state_groups}))
-        if config.kv_tiers and config.preemption_mode != "swap":
-            raise ConfigError(f"kv_tiers on a model with recurrent layers ({kinds}) hold swapped sequences only (tiers "
-                              "do not store state checkpoints for the prefix cache): set preemption_mode='swap' or "
-                              "leave kv_tiers unset")
-        if self.policy.reconstructs:
-            raise ConfigError(f"kv_policy {self.policy.name!r} is not supported on a model with recurrent layers ({kinds}): "
-                              "its scoring pass would run over their state; use another policy")
-        if config.speculative and config.speculative.method != "ngram":
-            raise ConfigError(f"speculative method {config.speculative.method!r} is not supported on a model with "
-                              f"recurrent layers ({kinds}): its drafter would run the target's layers over their state; "
-                              "use 'ngram'")
 
     @property
     def tiers(self):
@@ -210,23 +178,24 @@ class LLMEngine:
         seq.grammar = RequestGrammar(seq.params.structured_outputs, self.tokenizer, self.model_config.vocab_size)
         if seq.params.jumps_forward:
             for token in seq.grammar.forced_tokens()[: seq.params.max_tokens - 1]:
-                seq.grammar.accept(token)
-                seq.token_ids.append(token)
-                self.generated_tokens += 1
-                self.jump_forward_tokens += 1
+                self._force(seq, token)
 
     def _jump_forward(self, seq: Sequence, now: float) -> str | None:
         """Append the tokens seq's grammar forces now (their K/V come in the next step as one chunk); a stop reason
         when one of them ends the request."""
         for token in seq.grammar.forced_tokens():
-            seq.grammar.accept(token)
-            seq.token_ids.append(token)
-            self.generated_tokens += 1
-            self.jump_forward_tokens += 1
+            self._force(seq, token)
             reason = self._stop_reason(seq)
             if reason:
                 return reason
         return None
+
+    def _force(self, seq: Sequence, token: int) -> None:
+        """Append a token seq's grammar forces, without a decode step of its own."""
+        seq.grammar.accept(token)
+        seq.token_ids.append(token)
+        self.generated_tokens += 1
+        self.jump_forward_tokens += 1
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         reason = check_stop(seq, self.tokenizer, self.length_limit, self.model_config.eos_token_ids)

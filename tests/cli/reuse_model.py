@@ -8,9 +8,9 @@ def reuse_loaded_smollm2(monkeypatch, request):
     """In-process CLI runs build their engine over the session's SmolLM2 instead of loading it again."""
     if "smol_loaded" not in request.fixturenames:
         return
-    import kvforge.engine.engine as engine_module
+    from kvforge.engine import weights_mode
 
     loaded = request.getfixturevalue("smol_loaded")
-    original = engine_module.load_model
-    monkeypatch.setattr(engine_module, "load_model",
+    original = weights_mode.load_model
+    monkeypatch.setattr(weights_mode, "load_model",
                         lambda model=None, device=None, weights="fp32": loaded if model is None else original(model, device, weights))

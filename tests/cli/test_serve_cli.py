@@ -6,10 +6,10 @@ import socket
 import pytest
 from reuse_model import reuse_loaded_smollm2  # noqa: F401  (autouse fixture)
 
-import kvforge.engine.engine as engine_module
 from kvforge.cli import main
 from kvforge.cli.serve import startup_lines
 from kvforge.config import EngineConfig
+from kvforge.engine import weights_mode
 from kvforge.engine.engine import LLMEngine
 
 
@@ -17,7 +17,7 @@ def test_busy_port_is_reported_before_the_model_loads(capsys, monkeypatch):
     def must_not_load(*a, **k):
         raise AssertionError("the model was loaded although the port is busy")
 
-    monkeypatch.setattr(engine_module, "load_model", must_not_load)
+    monkeypatch.setattr(weights_mode, "load_model", must_not_load)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

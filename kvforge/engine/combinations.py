@@ -1,0 +1,29 @@
+"""Combinations of options the engine does not run, refused with a ConfigError before anything is allocated."""
+from __future__ import annotations
+
+from kvforge.config import EngineConfig
+from kvforge.errors import ConfigError
+from kvforge.kv.groups import StateGroup
+
+
+def check_combinations(config: EngineConfig, policy, state_groups: list[StateGroup]) -> None:
+    spec = config.speculative
+    if policy.reconstructs and spec and spec.method != "ngram":
+        raise ConfigError(f"kv_policy {policy.name!r} with speculative method {spec.method!r}: "
+                          "its drafter would mirror the scoring pass into its own cache; use 'ngram'")
+    if policy.evicts and config.kv_layout != "paged":
+        raise ConfigError(f"kv_policy {policy.name!r} evicts tokens and needs kv_layout='paged'")
+    if not state_groups:
+        return
+    kinds = ", ".join(sorted({g.kind for g in state_groups}))
+    if config.kv_tiers and config.preemption_mode != "swap":
+        raise ConfigError(f"kv_tiers on a model with recurrent layers ({kinds}) hold swapped sequences only (tiers "
+                          "do not store state checkpoints for the prefix cache): set preemption_mode='swap' or "
+                          "leave kv_tiers unset")
+    if policy.reconstructs:
+        raise ConfigError(f"kv_policy {policy.name!r} is not supported on a model with recurrent layers ({kinds}): "
+                          "its scoring pass would run over their state; use another policy")
+    if spec and spec.method != "ngram":
+        raise ConfigError(f"speculative method {spec.method!r} is not supported on a model with "
+                          f"recurrent layers ({kinds}): its drafter would run the target's layers over their state; "
+                          "use 'ngram'")

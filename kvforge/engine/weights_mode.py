@@ -1,0 +1,24 @@
+"""The model's weights in the mode the engine asked for (EngineConfig.weights), and what that mode really is."""
+from __future__ import annotations
+
+import torch
+
+from kvforge.config import EngineConfig
+from kvforge.models.int8_weights import int8_loaded
+from kvforge.models.loader import LoadedModel, load_model
+from kvforge.models.quant_weights import holds_blocks
+from kvforge.models.requantize import q8_0_loaded
+
+
+def weights_for(config: EngineConfig, loaded: LoadedModel | None, device: torch.device) -> tuple[LoadedModel, str]:
+    """(the model in config.weights' mode, the mode for the tiers' keys: "auto" over fp32 weights computes as "fp32"
+    does, over a GGUF's blocks as "auto:gguf_blocks")."""
+    loaded = loaded or load_model(config.model, device, config.weights)
+    if config.weights != "auto" and holds_blocks(loaded.model):  # fp32 or int8 asked of a GGUF kept in blocks
+        loaded = load_model(loaded.path, device)
+    mode = "auto:gguf_blocks" if holds_blocks(loaded.model) else ("fp32" if config.weights == "auto" else config.weights)
+    if config.weights == "int8":
+        loaded = int8_loaded(loaded)  # its own module tree with int8 linear weights
+    elif config.weights == "q8_0":
+        loaded = q8_0_loaded(loaded)  # its own module tree with Q8_0 block weights
+    return loaded, mode
