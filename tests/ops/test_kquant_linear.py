@@ -6,20 +6,18 @@ code, scale and min bit pattern) with finite fp16 super-block scales."""
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
+from qblock_checks import compiled_few_rows, reference_is_integer_dot
 
 from kvforge.errors import ConfigError
 from kvforge.ops.build import load_compiled
-from kvforge.ops.int8 import quantize_blocks
 from kvforge.ops.qblocks import (
     block_type,
     compiled_for,
     dequantize,
     qblock_linear,
-    qblock_linear_reference,
     qblock_panel_linear_reference,
     rows_of,
 )
@@ -52,14 +50,7 @@ def test_dequantize_equals_gguf_bit_for_bit(qtype):
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
 def test_reference_is_the_integer_dot_product_of_rounded_activations(qtype):
     blocks, _ = kquant_weight(qtype, 9, 768, seed=1)
-    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(2))
-    xq, dx = quantize_blocks(x)
-    rounded = (xq.view(3, -1, 32) * dx[:, :, None]).view(3, -1)  # x as the kernel sees it
-    exact = rounded.double() @ dequantize(blocks, qtype).double().T
-    got = qblock_linear_reference(x, blocks, int(qtype), 9)
-    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4)
-    full = x @ dequantize(blocks, qtype).T
-    assert (got - full).norm() / full.norm() < 0.02  # 8-bit activations per 32 values
+    reference_is_integer_dot(blocks, qtype, 768, atol=1e-4)
 
 
 def test_k_quant_needs_whole_super_blocks():
@@ -75,15 +66,8 @@ def test_k_quant_needs_whole_super_blocks():
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,k", [(1, 1024), (3, 256), (16, 2048), (5, 512)])
 def test_compiled_few_rows_equal_reference_bit_for_bit(qtype, rows, k):
-    n = 37
-    blocks, _ = kquant_weight(qtype, n, k, seed=rows)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
-    x[0, 32:64] = 0.0
-    bias = torch.randn(n)
-    got = torch.ops.kvforge.qblock_linear(x, blocks, int(qtype), n, bias)
-    expected = qblock_linear_reference(x, blocks, int(qtype), n, bias)
-    assert torch.equal(got, expected)
-    full = F.linear(x, dequantize(blocks, qtype), bias)
+    blocks, _ = kquant_weight(qtype, 37, k, seed=rows)
+    got, full = compiled_few_rows(blocks, qtype, rows, k)
     assert (got - full).norm() / full.norm() < 0.02
 
 

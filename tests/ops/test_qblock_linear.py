@@ -7,10 +7,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from qblock_checks import compiled_few_rows, reference_is_integer_dot
 
 from kvforge.errors import ConfigError
 from kvforge.ops.build import load_compiled
-from kvforge.ops.int8 import quantize_blocks
 from kvforge.ops.qblocks import (
     BLOCK_TYPES,
     compiled_for,
@@ -63,28 +63,15 @@ def test_types_with_a_min_or_super_blocks_do_not_convert_to_q8_0(qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_reference_is_the_integer_dot_product_of_rounded_activations(qtype):
     blocks, _ = block_weight(qtype, 9, 160, seed=1)
-    x = torch.randn(3, 160, generator=torch.Generator().manual_seed(2))
-    xq, dx = quantize_blocks(x)
-    rounded = (xq.view(3, -1, 32) * dx[:, :, None]).view(3, -1)[:, :160]  # x as the kernel sees it
-    exact = rounded.double() @ dequantize(blocks, qtype).double().T
-    got = qblock_linear_reference(x, blocks, int(qtype), 9)
-    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5)
-    full = x @ dequantize(blocks, qtype).T
-    assert (got - full).norm() / full.norm() < 0.02  # 8-bit activations per 32 values
+    reference_is_integer_dot(blocks, qtype, 160, atol=1e-5)
 
 
 @compiled
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,k", [(1, 576), (3, 1536), (16, 96), (5, 64)])
 def test_compiled_few_rows_equal_reference_bit_for_bit(qtype, rows, k):
-    n = 37
-    blocks, _ = block_weight(qtype, n, k, seed=rows)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
-    x[0, 32:64] = 0.0
-    bias = torch.randn(n)
-    got = torch.ops.kvforge.qblock_linear(x, blocks, int(qtype), n, bias)
-    expected = qblock_linear_reference(x, blocks, int(qtype), n, bias)
-    assert torch.equal(got, expected)
+    blocks, _ = block_weight(qtype, 37, k, seed=rows)
+    compiled_few_rows(blocks, qtype, rows, k)
 
 
 @compiled
