@@ -107,7 +107,7 @@ class LLMEngine:
             self.kv.attach_connector(build_tier_connector(
                 config.kv_tiers, self.groups, self.kv.pool, self._model_key(), self.format,
                 config.kv_tier_write_through, config.kv_tier_fsync, self.device, draft_pool,
-                swap_only=bool(self.state_groups)))
+                states=self.state_groups))
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0
