@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 
-from kvforge.bench.prefix import _run, shared_prompt_config, shared_prompts
+from kvforge.bench.prefix_workload import run_requests, shared_prompt_config, shared_prompts
 from kvforge.errors import ConfigError
 
 
@@ -26,7 +26,7 @@ def _pass(model_path: str, tier: str, num_requests: int, system_len: int, questi
     prompts = shared_prompts(loaded.config.vocab_size, num_requests, system_len, tuple(question_len), seed)
     engine = LLMEngine(shared_prompt_config(True, system_len, tuple(question_len), max_tokens, budget, max_num_seqs,
                                             checkpoint_memory, kv_tiers=[tier]), loaded)
-    stats, outs = _run(engine, prompts, max_tokens, label, show)
+    stats, outs = run_requests(engine, prompts, max_tokens, label, show)
     bs = engine.kv.block_size
     kv = engine.stats()
     engine.close()
