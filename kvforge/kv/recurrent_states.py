@@ -37,6 +37,13 @@ class RecurrentStates:
         if self.checkpoints is not None:
             manager = weakref.proxy(self)  # no cycle through the store's callback
             self.checkpoints.on_evict = lambda key, checkpoint: manager._offer_checkpoint(key, checkpoint, False)
+            self.connector.held_checkpoints = manager._held_checkpoints  # what close persists with the blocks
+
+    def _held_checkpoints(self) -> list[tuple[list[int], str | None, object]]:
+        """The checkpoints in memory as (tokens, salt, payload maker), most recently used first."""
+        pool = self.state_pool
+        return [(list(tokens), salt, lambda c=checkpoint: pool.checkpoint_payload(c))
+                for (salt, tokens), checkpoint in self.checkpoints.items()]
 
     def _offer_checkpoint(self, key, checkpoint, taken: bool) -> None:
         salt, tokens = key

@@ -59,6 +59,10 @@ class StateCheckpoints:
             out.append(last)
         return out
 
+    def items(self) -> list[tuple[Key, Checkpoint]]:
+        """Every checkpoint held, most recently used first."""
+        return list(reversed(self._entries.items()))
+
     def get(self, key: Key) -> Checkpoint | None:
         entry = self._entries.get(key)
         if entry is not None:

@@ -147,3 +147,20 @@ def test_a_second_process_resumes_from_redis(model, redis_url):
     assert s["state_checkpoints_from_tiers"] == 1 and s["tier_redis_loaded_blocks"] == 4 + 1  # 4 blocks, 1 state
     _assert_nothing_left(engine)
     engine.close()
+
+
+def test_close_writes_the_checkpoints_to_a_write_back_disk_tier(model, tmp_path):
+    """A write-back disk tier gets nothing while the engine runs; close writes the cached blocks and the state
+    checkpoints held in memory, and a second engine resumes from them."""
+    loaded, _ = model
+    want = _plain(loaded)
+    tier = [f"disk:{tmp_path}:64MiB"]
+    first = _engine(loaded, kv_tiers=tier, kv_tier_write_through=False)
+    _run(first, PROMPTS[0])
+    assert first.stats()["state_checkpoints_to_tiers"] == 0
+    first.close()
+    assert first.stats()["tier_close_queued_blocks"] >= 4 + 4  # KV blocks and checkpoints at 16, 32, 48, 64
+    second = _engine(loaded, kv_tiers=tier, kv_tier_write_through=False)
+    assert _run(second, BASE[:80]) == (want[4], 64)
+    assert second.stats()["state_checkpoints_from_tiers"] == 1
+    second.close()
