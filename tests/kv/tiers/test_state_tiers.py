@@ -55,8 +55,8 @@ def _engine(loaded, **options) -> LLMEngine:
     return LLMEngine(EngineConfig(kv_cache_memory=4 << 20, max_num_seqs=4, max_num_batched_tokens=64, **options), loaded)
 
 
-def _run(engine, prompt) -> tuple[list[int], int]:
-    rid = engine.add_request(prompt, GREEDY)
+def _run(engine, prompt, salt: str | None = None) -> tuple[list[int], int]:
+    rid = engine.add_request(prompt, GREEDY, cache_salt=salt)
     out = None
     while engine.has_unfinished_requests():
         out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
@@ -99,14 +99,16 @@ def test_tiers_on_and_off_give_the_same_tokens(model, tier, tmp_path):
     engine.close()
 
 
-def test_a_second_engine_resumes_from_the_disk_tier(model, tmp_path):
+def test_a_second_engine_resumes_from_the_disk_tier_of_its_tenant(model, tmp_path):
     loaded, _ = model
     want = _plain(loaded)
     first = _engine(loaded, kv_tiers=[f"disk:{tmp_path}:64MiB"])
-    assert _run(first, PROMPTS[0]) == (want[0], 0)
+    assert _run(first, PROMPTS[0], salt="tenant") == (want[0], 0)
     first.close()
     second = _engine(loaded, kv_tiers=[f"disk:{tmp_path}:64MiB"])
-    assert _run(second, BASE[:80]) == (want[4], 64)  # extends the first prompt: its checkpoint at 64
+    assert _run(second, BASE[:80], salt="another") == (want[4], 0)  # another tenant's namespace: no KV, no state
+    second.kv.reset_prefix_cache()
+    assert _run(second, BASE[:80], salt="tenant") == (want[4], 64)  # extends the first prompt: its checkpoint at 64
     s = second.stats()
     assert s["state_checkpoints_from_tiers"] == 1 and s["tier_hit_tokens"] == 64
     _assert_nothing_left(second)
