@@ -53,6 +53,10 @@ def register(sub) -> None:
                    help="sequences running at once (a recurrent model keeps a state slot for each)")
     x.add_argument("--state-checkpoint-memory", default=None,
                    help="a recurrent model's state checkpoint budget, taken from --budget (default: 1/8 of it)")
+    x.add_argument("--kv-tiers", default=None, metavar="TIER",
+                   help="also run the shared-prompt workload in two processes through this tier, the second reusing "
+                        "what the first stored: 'disk' (a fresh directory), 'redis' (a private redis-server), "
+                        "disk:PATH:SIZE or redis://HOST:PORT")
     output_options(x, model=True)
     x.set_defaults(func=run_prefix)
 
@@ -197,9 +201,10 @@ def run_prefix(args) -> int:
 
     r = prefix_bench(load_model(args.model), args.num_requests, args.system_len, tuple(args.question_len), args.max_tokens,
                      parse_size(args.budget), args.conversations, args.turns, args.seed, not args.no_progress,
-                     args.max_num_seqs, parse_size(args.state_checkpoint_memory) if args.state_checkpoint_memory else None)
+                     args.max_num_seqs, parse_size(args.state_checkpoint_memory) if args.state_checkpoint_memory else None,
+                     args.kv_tiers, args.model)
     r["random_weights"] = is_random(args.model)
-    on = r["on"]
+    on, tiers = r["on"], r.get("tiers")
     emit(r, args.json, [
         ("weights", "RANDOM (kvforge.bench.recurrent_model): engine figures only" if r["random_weights"] else None),
         ("outputs identical off / on", r["outputs_identical"]),
@@ -216,6 +221,13 @@ def run_prefix(args) -> int:
         ("peak KV bytes off / on", f'{r["off"]["peak_kv_bytes"]} / {r["on"]["peak_kv_bytes"]}'),
         ("peak_kv_reduction", r["peak_kv_reduction"]),
         ("multiturn.reuse_rate", r["multiturn"]["reuse_rate"]),
+        *([] if tiers is None else [
+            (f"second process through {tiers['tier']}: hit rate", tiers["second_hit_rate"]),
+            ("  outputs identical (both processes, caching off)", tiers["outputs_identical"]),
+            ("  state checkpoints from the tier", tiers["second"].get("state_checkpoints_from_tiers")),
+            ("  mean TTFT first / second process (s)",
+             f'{tiers["first"]["ttft_mean_s"]:.2f} / {tiers["second"]["ttft_mean_s"]:.2f}'),
+        ]),
     ])
     return 0
 

@@ -16,10 +16,6 @@ def check_combinations(config: EngineConfig, policy, state_groups: list[StateGro
     if not state_groups:
         return
     kinds = ", ".join(sorted({g.kind for g in state_groups}))
-    if config.kv_tiers and config.preemption_mode != "swap":
-        raise ConfigError(f"kv_tiers on a model with recurrent layers ({kinds}) hold swapped sequences only (tiers "
-                          "do not store state checkpoints for the prefix cache): set preemption_mode='swap' or "
-                          "leave kv_tiers unset")
     if policy.reconstructs:
         raise ConfigError(f"kv_policy {policy.name!r} is not supported on a model with recurrent layers ({kinds}): "
                           "its scoring pass would run over their state; use another policy")

@@ -95,8 +95,11 @@ class LLMEngine:
                 tokenizer = self.tokenizer
                 encode = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else None
                 self._repeat_ids = self.policy.repeat_ids(encode)
-            self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None),
-                                          self._reconstruct if self.policy.reconstructs else None)
+            rotary, inv_freq = getattr(self.loaded.model, "rotary", None), None
+            if not cfg.extra.get("rope", True):  # no positions in the keys (NoPE: Granite 4.0-H): nothing turns
+                rotary, inv_freq = None, torch.zeros(cfg.head_dim // 2)
+            self.runner.evictor = Evictor(self.policy, self.kv, rotary,
+                                          self._reconstruct if self.policy.reconstructs else None, inv_freq)
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.speculative_config:
@@ -107,7 +110,7 @@ class LLMEngine:
             self.kv.attach_connector(build_tier_connector(
                 config.kv_tiers, self.groups, self.kv.pool, self._model_key(), self.format,
                 config.kv_tier_write_through, config.kv_tier_fsync, self.device, draft_pool,
-                swap_only=bool(self.state_groups)))
+                states=self.state_groups))
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.generated_tokens = 0

@@ -1,5 +1,5 @@
-"""KVConnector: the one seam through which KV moves between the pool and anything else (tiers, swap; later recurrent
-state checkpoints, a GPU copy engine), in the shape of vLLM v1's KV connectors and LMCache.
+"""KVConnector: the one seam through which KV moves between the pool and anything else (tiers, swap, recurrent
+state checkpoints; later a GPU copy engine), in the shape of vLLM v1's KV connectors and LMCache.
 
 Two halves. The worker half (`BlockIO`) exports a block's exact stored bytes and imports them into pool blocks:
 the pool, or a target's and its draft model's pools as one (kvforge.kv.pool_pair). The scheduler half decides what
@@ -7,8 +7,10 @@ to look up, load and store, and holds what is in flight; the KVCacheManager call
 every block, table and prefix-tree node itself:
 
   admission            start_load (after the prefix tree's match)  -> a Transfer the request waits on
+                       start_state_load (a recurrent model: KV blocks and the deepest state checkpoint)
   may it run?          done(transfer) / wait(transfer); finish_load imports what came (the manager gives blocks)
   a block is cached    on_cached (write-through)
+  a state checkpoint   on_checkpoint: taken (write-through) or evicted from the in-memory LRU (write-back)
   a block is reclaimed on_reclaimed (write-back), when `stores_reclaimed`
   preemption           swap_out / swap_in / finish_swap_in
   free, abort          request_finished (a swapped request's record), cancel (a transfer in flight)
@@ -17,6 +19,7 @@ every block, table and prefix-tree node itself:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,6 +50,8 @@ class Transfer:
     matched: int  # tokens the request held from the pool before the transfer
     resume: Resume | None = None  # a swap-in's saved state; None: a prefix load
     handle: Any = None  # the connector's own (a swap-in's private keys)
+    state_load: tuple[int, bool] | None = None  # a recurrent model's prefix load: (tokens the pool held, count its
+    # shortfall); its future gives a kvforge.kv.tiers.state_tiers.StateFetch
 
 
 class KVConnector(ABC):
@@ -69,6 +74,13 @@ class KVConnector(ABC):
         except TimeoutError:
             pass
 
+    def start_state_load(self, tokens: list[int], salt: str | None, matched: int, cached: int
+                         ) -> tuple[Transfer | None, int]:
+        """A recurrent model's start_load: the deepest state checkpoint after `matched` tokens (the in-memory one's
+        depth) with the KV blocks past the pool's `cached` tokens up to it. Returns the transfer (None: nothing
+        found) and the tokens whose KV is known to be held."""
+        return None, cached
+
     @abstractmethod
     def finish_load(self, block_ids: list[int], payloads: list[bytes]) -> None:
         """Import a prefix load's leading good payloads into `block_ids` (given by the manager)."""
@@ -80,6 +92,9 @@ class KVConnector(ABC):
 
     def on_reclaimed(self, tokens: list[int], salt: str | None, block_ids: list[int]) -> None:
         """A prefix-tree leaf, the last blocks of `tokens`, is about to be freed."""
+
+    def on_checkpoint(self, tokens: list[int], salt: str | None, payload: Callable[[], bytes], taken: bool) -> None:
+        """A state checkpoint after `tokens` was taken (`taken`) or left the in-memory LRU; `payload()` its bytes."""
 
     # -- swap ------------------------------------------------------------------------------------------
 

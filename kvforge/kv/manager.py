@@ -117,8 +117,9 @@ class KVCacheManager(StagingWindows, RecurrentStates):
                 return held.num_matched
             self.free(req, cache=False)
         num = self._peek(tokens, req.cache_salt)
+        count = held is None  # a first match: its shortfall of checkpoints is counted (after the tiers, with them)
         if num and self.state_pool is not None:
-            num = self._resume_state(req, tokens, num, count=held is None)
+            num = self._resume_state(req, tokens, num, count=count and self.connector is None)
         if num:
             state = self._state(req)
             matches = [tree.match_prefix(tokens[:num], salt=req.cache_salt) for tree in self.prefix_trees]
@@ -129,7 +130,9 @@ class KVCacheManager(StagingWindows, RecurrentStates):
                 state.block_tables[g].extend([NULL_BLOCK] * skip + self._adopt(match.block_ids[skip:]))
                 state.prefix_nodes.append(match.node)
             state.num_matched = state.num_adopted = num
-        if self.connector is not None:
+        if self.connector is not None and self.state_pool is not None:
+            self.transfers.start_state_load(req, usable, num, count)
+        elif self.connector is not None:
             self.transfers.start_load(req, usable, num)
         return num
 
@@ -294,6 +297,7 @@ class KVCacheManager(StagingWindows, RecurrentStates):
 
     def attach_connector(self, connector: KVConnector) -> None:
         self.connector = connector
+        self._attach_checkpoint_tiers()
         if self.prefix_tree is not None and connector.stores_reclaimed:
             manager = weakref.proxy(self)  # the tree is the manager's: no cycle back to it
             self.prefix_tree.on_reclaim = lambda node: manager._store_reclaimed(node)
@@ -332,9 +336,10 @@ class KVCacheManager(StagingWindows, RecurrentStates):
             self.connector.close(self.prefix_tree, timeout)
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached block nobody is using (and every state checkpoint); returns blocks freed."""
+        """Drop every cached block nobody is using (and every state checkpoint; write-back tiers get both);
+        returns blocks freed."""
         if self.checkpoints is not None:
-            self.checkpoints.clear()
+            self.checkpoints.drop_lru(len(self.checkpoints))
         return self._reclaim(self.allocator.num_blocks)
 
     def stats(self) -> dict:

@@ -4,9 +4,13 @@ state checkpoints, for models with Mamba-2 or short-conv layers.
 A request takes a slot (kv/state_pool.py) when it is first given blocks, or at a prefix hit, where the slot is
 loaded from the checkpoint of the deepest cached node (kv/state_checkpoints.py); `release` gives it back. During
 prefill the runner asks `checkpoint_cuts` where the layers should copy the state, and after the step
-`store_checkpoints` keeps the copies under the prefixes they follow.
+`store_checkpoints` keeps the copies under the prefixes they follow. With a KV connector (tiers) a checkpoint also
+goes there when it is taken and when the in-memory LRU evicts it, and a prefix load brings the deepest one back
+(kvforge.kv.transfers).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -28,6 +32,23 @@ class RecurrentStates:
         self.checkpoints = (StateCheckpoints(checkpoint_memory, self.state_bytes_per_sequence, checkpoint_interval)
                             if self.state_pool is not None and caching else None)
 
+    def _attach_checkpoint_tiers(self) -> None:
+        """Checkpoints the LRU evicts go to the connector's write-back tiers."""
+        if self.checkpoints is not None:
+            manager = weakref.proxy(self)  # no cycle through the store's callback
+            self.checkpoints.on_evict = lambda key, checkpoint: manager._offer_checkpoint(key, checkpoint, False)
+            self.connector.held_checkpoints = manager._held_checkpoints  # what close persists with the blocks
+
+    def _held_checkpoints(self) -> list[tuple[list[int], str | None, object]]:
+        """The checkpoints in memory as (tokens, salt, payload maker), most recently used first."""
+        pool = self.state_pool
+        return [(list(tokens), salt, lambda c=checkpoint: pool.checkpoint_payload(c))
+                for (salt, tokens), checkpoint in self.checkpoints.items()]
+
+    def _offer_checkpoint(self, key, checkpoint, taken: bool) -> None:
+        salt, tokens = key
+        self.connector.on_checkpoint(list(tokens), salt, lambda: self.state_pool.checkpoint_payload(checkpoint), taken)
+
     def state_slot(self, req) -> int | None:
         """req's slot in the recurrent state pool (None without recurrent layers or before allocate_slots)."""
         return self.requests.get(req.request_id, _NONE).state_slot
@@ -44,10 +65,8 @@ class RecurrentStates:
     def _resume_state(self, req, tokens, num: int, count: bool) -> int:
         """req resumes after `num` tokens: take its state slot and load the checkpoint there (0 without a free slot).
         `count`: a first match, whose shortfall against the cached KV the stats count."""
-        cached = min(tree.peek_prefix(tokens, req.cache_salt) for tree in self.prefix_trees)
-        if count and num < cached:
-            self.checkpoints.hits_stopped_short += 1
-            self.checkpoints.tokens_lost_short += cached - num
+        if count:
+            self._count_short(num, min(tree.peek_prefix(tokens, req.cache_salt) for tree in self.prefix_trees))
         if self.state_pool.num_free == 0:
             return 0
         state = self._state(req)
@@ -56,6 +75,12 @@ class RecurrentStates:
                                                                                            tokens[:num])))
         self.checkpoints.hits += 1
         return num
+
+    def _count_short(self, resumed: int, cached: int) -> None:
+        """A hit that resumed after `resumed` tokens while KV was held for `cached`: short of a checkpoint."""
+        if 0 < resumed < cached:
+            self.checkpoints.hits_stopped_short += 1
+            self.checkpoints.tokens_lost_short += cached - resumed
 
     def checkpoint_cuts(self, req, num_new_tokens: int) -> list[int]:
         """After how many of req's next num_new_tokens its recurrent state should be copied: the block boundaries
@@ -86,8 +111,11 @@ class RecurrentStates:
             return
         for (i, cut), checkpoint in captured.items():
             req, end = reqs[i], starts[i] + cut
-            if end <= req.num_computed_tokens and end % self.block_size == 0:
-                self.checkpoints.put(checkpoint_key(req.cache_salt, req.token_ids[:end]), checkpoint)
+            key = checkpoint_key(req.cache_salt, req.token_ids[:end])
+            if end <= req.num_computed_tokens and end % self.block_size == 0 and key not in self.checkpoints:
+                self.checkpoints.put(key, checkpoint)
+                if self.connector is not None:
+                    self._offer_checkpoint(key, checkpoint, True)
 
     def _state_stats(self) -> dict:
         return {

@@ -6,11 +6,13 @@ prompt's last whole block, so the same prompt or one extending it hits); each co
 (salt + tokens, the path of the prefix tree's node at that depth, confirmed on the tokens), with a byte budget of
 its own and LRU order apart from the KV blocks (SGLang's MambaRadixCache shape: a node whose checkpoint went keeps
 its KV, a "tombstone"). A request resumes from the deepest node that has both its blocks and a checkpoint.
+With KV tiers, what the LRU evicts goes to `on_evict` (the tiers' write-back), and checkpoints loaded back from a
+tier are kept here again (`put(..., from_tier=True)`).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,6 +31,8 @@ class StateCheckpoints:
         self.budget_bytes, self.checkpoint_bytes, self.interval = budget_bytes, checkpoint_bytes, interval
         self._entries: OrderedDict[Key, Checkpoint] = OrderedDict()
         self.stored = self.hits = self.evicted = 0
+        self.from_tiers = 0  # checkpoints loaded back from KV tiers
+        self.on_evict: Callable[[Key, Checkpoint], None] | None = None  # sees each checkpoint the LRU evicts
         self.hits_stopped_short = 0  # prefix hits cut back to a shallower node for want of a checkpoint
         self.tokens_lost_short = 0  # cached KV tokens those hits could not use
 
@@ -55,23 +59,38 @@ class StateCheckpoints:
             out.append(last)
         return out
 
+    def items(self) -> list[tuple[Key, Checkpoint]]:
+        """Every checkpoint held, most recently used first."""
+        return list(reversed(self._entries.items()))
+
     def get(self, key: Key) -> Checkpoint | None:
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
         return entry
 
-    def put(self, key: Key, checkpoint: Checkpoint) -> None:
+    def put(self, key: Key, checkpoint: Checkpoint, from_tier: bool = False) -> None:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
         if not self.capacity:
             return
-        while len(self._entries) >= self.capacity:
-            self._entries.popitem(last=False)
-            self.evicted += 1
+        self._evict(len(self._entries) + 1 - self.capacity)
         self._entries[key] = checkpoint
-        self.stored += 1
+        if from_tier:
+            self.from_tiers += 1
+        else:
+            self.stored += 1
+
+    def _evict(self, count: int) -> int:
+        """The `count` least recently used checkpoints leave (to `on_evict`)."""
+        n = max(0, min(count, len(self._entries)))
+        for _ in range(n):
+            key, checkpoint = self._entries.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(key, checkpoint)
+        self.evicted += n
+        return n
 
     def discard(self, key: Key) -> bool:
         """Evict one checkpoint (an operator's reset of one prefix; tests)."""
@@ -81,15 +100,8 @@ class StateCheckpoints:
         return True
 
     def drop_lru(self, count: int = 1) -> int:
-        """Evict the `count` least recently used checkpoints (tests, and a budget that shrank)."""
-        n = min(count, len(self._entries))
-        for _ in range(n):
-            self._entries.popitem(last=False)
-        self.evicted += n
-        return n
-
-    def clear(self) -> int:
-        return self.drop_lru(len(self._entries))
+        """Evict the `count` least recently used checkpoints (a reset of the prefix cache, tests)."""
+        return self._evict(count)
 
     def stats(self) -> dict:
         return {
@@ -97,6 +109,7 @@ class StateCheckpoints:
             "state_checkpoints_stored": self.stored,
             "state_checkpoints_hit": self.hits,
             "state_checkpoints_evicted": self.evicted,
+            "state_checkpoints_from_tiers": self.from_tiers,
             "state_checkpoint_bytes": self.checkpoint_bytes,
             "state_checkpoint_bytes_used": len(self._entries) * self.checkpoint_bytes,
             "state_checkpoint_budget_bytes": self.budget_bytes,

@@ -99,6 +99,25 @@ class StatePool:
                 t[slot].copy_(flat[pos:pos + n].view(t[slot].shape))
                 pos += n
 
+    def checkpoint_payload(self, checkpoint: dict[int, dict[str, torch.Tensor]]) -> bytes:
+        """A checkpoint (`take_captured`'s, layer -> name -> tensor) as `export_slot`'s bytes: what a tier stores."""
+        parts = [checkpoint[layer][name].reshape(-1) for layer, ts in self.layers.items() for name in ts]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    def checkpoint_from_payload(self, payload: bytes) -> dict[int, dict[str, torch.Tensor]]:
+        """The checkpoint `checkpoint_payload` made; ValueError when the payload is not one of this pool's."""
+        if len(payload) != self.slot_bytes():
+            raise ValueError(f"a recurrent state payload of {len(payload)} bytes does not fit this pool's slots "
+                             f"of {self.slot_bytes()}")
+        flat, pos, out = torch.frombuffer(bytearray(payload), dtype=torch.float32), 0, {}
+        for layer, tensors in self.layers.items():
+            out[layer] = {}
+            for name, t in tensors.items():
+                n = t[0].numel()
+                out[layer][name] = flat[pos:pos + n].view(t[0].shape).to(t.device)
+                pos += n
+        return out
+
     def slot_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for ts in self.layers.values() for t in ts.values())
 

@@ -6,13 +6,15 @@ load takes pool blocks then, reclaiming idle ones; a swap-in reserved its blocks
 imports into them, and a prefix load's blocks enter the prefix tree, where the request re-matches them. A request
 never runs on half-loaded K/V: blocks after the first unreadable one are recomputed, and a swap-in that lost a block
 starts over by recompute. A recurrent model's state slot goes out with the blocks (Resume.state) and comes back
-into a slot taken at swap-in.
+into a slot taken at swap-in; its prefix load brings the deepest state checkpoint with the KV blocks up to it, which
+enter the prefix tree and the checkpoint store, and the request re-matches from there.
 """
 from __future__ import annotations
 
 from kvforge.kv.connector import Resume, Transfer
 from kvforge.kv.memory import blocks_for_tokens
 from kvforge.kv.request_kv import RequestKV
+from kvforge.kv.state_checkpoints import checkpoint_key
 
 
 class ConnectorTransfers:
@@ -24,6 +26,21 @@ class ConnectorTransfers:
         load = self.kv.connector.start_load(req.token_ids[:usable], req.cache_salt, matched)
         if load is not None:
             self.kv._state(req).load = load
+
+    def start_state_load(self, req, usable: int, matched: int, count: bool) -> None:
+        """A recurrent model's start_load: after the pool's KV and checkpoint (`matched` tokens), the deepest state
+        checkpoint the tiers hold with the KV blocks up to it. `count`: a first match, whose shortfall against the
+        KV held (pool and tiers) is counted once the depths are known."""
+        kv = self.kv
+        tokens = req.token_ids[:usable]
+        cached = min(tree.peek_prefix(tokens, req.cache_salt) for tree in kv.prefix_trees)
+        load, kv_depth = kv.connector.start_state_load(tokens, req.cache_salt, matched, cached)
+        if load is None:
+            if count:
+                kv._count_short(matched, kv_depth)
+            return
+        load.state_load = (cached, count)
+        kv._state(req).load = load
 
     def is_loading(self, req) -> bool:
         state = self.kv.requests.get(req.request_id)
@@ -42,7 +59,9 @@ class ConnectorTransfers:
             return False
         state.load = None
         payloads = load.future.result()
-        if load.resume is not None:
+        if load.state_load is not None:
+            self._finish_state_load(req, load, payloads)
+        elif load.resume is not None:
             self._finish_swap_in(state, load, payloads)
         else:
             self._finish_prefix_load(req, state, load, payloads)
@@ -67,6 +86,45 @@ class ConnectorTransfers:
         if state.prefix_node is not None:
             tree.unlock(state.prefix_node)
         state.prefix_nodes[:1] = [node]  # a connector serves one KV group (kvforge.kv.tiers.setup checks it)
+
+    def _finish_state_load(self, req, load: Transfer, fetch) -> None:
+        cached, count = load.state_load
+        resumed = load.matched
+        if fetch.resume and all(p is not None for p in fetch.payloads) and self._keep_state_fetch(req, cached, fetch):
+            resumed = fetch.resume
+        if count:
+            self.kv._count_short(resumed, fetch.kv_depth)
+
+    def _keep_state_fetch(self, req, cached: int, fetch) -> bool:
+        """The fetched KV blocks (after the pool's `cached` tokens) into the prefix tree, the checkpoint into the
+        store; False when the pool lost its part of the prefix meanwhile, has no room, or the payload is not this
+        pool's."""
+        kv, salt = self.kv, req.cache_salt
+        blocks, tokens = fetch.payloads[:-1], req.token_ids[:fetch.resume]
+        try:
+            checkpoint = kv.state_pool.checkpoint_from_payload(fetch.payloads[-1])
+        except ValueError:
+            return False
+        if blocks:
+            tree = kv.prefix_tree
+            held = tree.match_prefix(tokens[:cached], salt=salt)
+            if held.num_tokens < cached:
+                return False
+            tree.lock(held.node)  # its blocks must outlive the reclaim that makes room for the new ones
+            try:
+                if not kv.allocator.can_allocate(len(blocks)):
+                    kv._reclaim(len(blocks) - kv.allocator.num_free)
+                if not kv.allocator.can_allocate(len(blocks)):
+                    return False
+                ids = kv.allocator.allocate(len(blocks))
+                kv.peak_blocks_used = max(kv.peak_blocks_used, kv.allocator.num_used)
+                kv.connector.finish_load(ids, blocks)
+                tree.insert(tokens, held.block_ids + ids, salt=salt)
+                kv.allocator.decref(ids)  # the tree holds them (or kept its own, and these go back)
+            finally:
+                tree.unlock(held.node)
+        kv.checkpoints.put(checkpoint_key(salt, tokens), checkpoint, from_tier=True)
+        return True
 
     def cancel(self, state: RequestKV) -> None:
         if state.load is not None:

@@ -10,7 +10,6 @@ from tiny_models import write_tiny_model
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scheduler import ScheduledBatch
-from kvforge.errors import ConfigError
 from kvforge.kv.formats import get_format
 from kvforge.kv.groups import build_groups, state_bytes_per_sequence
 from kvforge.kv.memory import pool_bytes
@@ -91,12 +90,6 @@ def test_a_lost_state_recomputes(model):
     _assert_nothing_left(engine)
 
 
-def test_tiers_on_a_recurrent_model_need_swap(model):
-    loaded, _ = model
-    with pytest.raises(ConfigError, match="preemption_mode='swap'"):
-        LLMEngine(EngineConfig(kv_cache_memory=4 << 20, max_num_seqs=1, kv_tiers=["host:16MiB"]), loaded)
-
-
 def _tight(loaded, blocks: int, **options) -> LLMEngine:
     """Four state slots and `blocks` KV blocks of 16 tokens: the scheduler preempts when the sequences grow."""
     cfg = loaded.config
@@ -147,19 +140,3 @@ def test_abort_while_swapped_or_swapping_in_leaves_nothing(model):
     _assert_nothing_left(engine)
     engine.tiers.flush()
     assert engine.tiers.tiers[0].used_bytes() == 0
-
-
-def test_tiers_are_swap_only_on_a_recurrent_model(model):
-    """Without preemption, tiers change nothing: the same tokens and prefix hits, and no prefix block is stored
-    or looked up there (a block is no use without a state checkpoint the tiers do not hold)."""
-    loaded, _ = model
-    plain = LLMEngine(EngineConfig(kv_cache_memory=4 << 20, max_num_seqs=1, block_size=16), loaded)
-    tiered = _engine(loaded, tier="host:16MiB")
-    for prompt in (PROMPT, PROMPT + OTHER[:5], OTHER):
-        assert _finish(tiered, tiered.add_request(prompt, GREEDY)) == _finish(plain, plain.add_request(prompt, GREEDY))
-    s, p = tiered.stats(), plain.stats()
-    assert s["prefix_hit_tokens"] == p["prefix_hit_tokens"] > 0
-    tiered.tiers.flush()
-    assert s["tier_host_stored_blocks"] == s["tier_host_queried_tokens"] == 0 and s["tier_hit_tokens"] == 0
-    tiered.close()
-    assert tiered.tiers.tiers[0].used_bytes() == 0

@@ -14,13 +14,14 @@ from kvforge.kv.policies.values import value_norms
 
 
 class Evictor:
-    def __init__(self, policy: KVPolicy, kv, rotary=None, reconstruct=None):
+    def __init__(self, policy: KVPolicy, kv, rotary=None, reconstruct=None, inv_freq: torch.Tensor | None = None):
         self.policy, self.kv = policy, kv
         self.reconstruct = reconstruct  # (seq, policy) -> scores of a scoring pass (kvzip; the engine's runner)
         if policy.reconstructs and reconstruct is None:
             raise ConfigError(f"kv_policy {policy.name!r} runs a scoring pass of its own; it needs the engine's runner")
         self.rotary = rotary if policy.rope_by_cache_index else None
-        self.inv_freq = getattr(rotary, "inv_freq", None)  # for policies that turn queries to future positions
+        # for policies that turn queries to future positions (a model without RoPE gives zeros: nothing turns)
+        self.inv_freq = inv_freq if inv_freq is not None else getattr(rotary, "inv_freq", None)
         if policy.needs_queries and self.inv_freq is None:
             raise ConfigError(f"kv_policy {policy.name!r} needs the model's RoPE frequencies; this model has none")
         self.evicted_tokens = 0

@@ -131,6 +131,21 @@ class TierChain:
                 self.stats[w].failed_loads += 1
         return out
 
+    def holder(self, key: BlockKey, local: bool = False) -> int | None:
+        """The first tier holding `key` (-1: a store still queued), None: none; `local`: remote tiers are not called.
+        Not counted in the tiers' block lookups (a state checkpoint's, kvforge.kv.tiers.state_tiers)."""
+        with self._lock:
+            if key in self.pending:
+                return -1
+        for t, tier in enumerate(self.tiers):
+            if not (local and tier.remote) and self.call(t, tier.contains, [key], default=[False], load=True)[0]:
+                return t
+        return None
+
+    def submit(self, fn) -> Future:
+        """Run fn() on the load worker."""
+        return self._loader.submit(fn)
+
     def fetch(self, keys: list[BlockKey], where: list[int]) -> Future:
         """`load` on the load worker thread: the engine keeps stepping other requests meanwhile."""
         return self._loader.submit(self.load, keys, where)

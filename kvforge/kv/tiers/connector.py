@@ -8,9 +8,8 @@ block by block through the tiers. The engine thread looks up only tiers that ans
 host, disk index); when a remote tier (Redis) may be asked, the lookup runs on the chain's load worker with the
 load. The request waits (the scheduler's `loading` list) until the manager's `finish_load` gives what came pool
 blocks and this connector imports it. It never runs on half-loaded K/V, and no step waits for a tier.
-Swap preemption goes to the first tier under private keys (kvforge.kv.tiers.swap). `swap_only` (a model with
-recurrent layers, whose prefix blocks are no use without a state checkpoint the tiers do not hold): the tiers hold
-swapped requests and nothing is looked up, stored or persisted for the prefix cache.
+Swap preemption goes to the first tier under private keys (kvforge.kv.tiers.swap). A recurrent model's state
+checkpoints go beside its blocks (kvforge.kv.tiers.state_tiers), and its prefix loads bring the deepest one back.
 """
 from __future__ import annotations
 
@@ -18,22 +17,25 @@ from kvforge.kv.connector import BlockIO, KVConnector, Resume, Transfer
 from kvforge.kv.tiers.chain import TierChain
 from kvforge.kv.tiers.keys import KeySpace
 from kvforge.kv.tiers.persist import close_tiers
+from kvforge.kv.tiers.state_tiers import StateTiers
 from kvforge.kv.tiers.swap import SwapSpace
 
 
 class TierConnector(KVConnector):
-    def __init__(self, tiers: TierChain, keys: KeySpace, block_io: BlockIO, swap_only: bool = False):
-        self.tiers, self.keys, self.block_io, self.swap_only = tiers, keys, block_io, swap_only
+    def __init__(self, tiers: TierChain, keys: KeySpace, block_io: BlockIO):
+        self.tiers, self.keys, self.block_io = tiers, keys, block_io
         self.block_size = tiers.block_size
-        self.stores_reclaimed = bool(tiers.back_tiers) and not swap_only
+        self.stores_reclaimed = bool(tiers.back_tiers)
         self.swap = SwapSpace(tiers, block_io)
+        self.states = StateTiers(tiers, keys)
+        self.held_checkpoints = None  # () -> the state checkpoints in memory, for close (set by the manager)
         self.hit_tokens = 0  # prompt tokens loaded from tiers (also counted in prefix_hit_tokens)
         self.close_stats: dict | None = None  # what close wrote and left (kvforge.kv.tiers.persist)
 
     # -- loads ----------------------------------------------------------------------------------------
 
     def start_load(self, tokens: list[int], salt: str | None, matched: int) -> Transfer | None:
-        keys = [] if self.swap_only else self.keys.chain(tokens, salt)[matched // self.block_size:]
+        keys = self.keys.chain(tokens, salt)[matched // self.block_size:]
         if not keys:
             return None
         if self.tiers.lookup_may_hang():
@@ -45,6 +47,11 @@ class TierConnector(KVConnector):
             fetch = self.tiers.fetch(keys[:len(where)], where)
         return Transfer(fetch, [], matched)
 
+    def start_state_load(self, tokens: list[int], salt: str | None, matched: int, cached: int
+                         ) -> tuple[Transfer | None, int]:
+        future, kv_depth = self.states.start_load(tokens, salt, matched, cached)
+        return (Transfer(future, [], matched, state_load=(cached, False)) if future is not None else None), kv_depth
+
     def finish_load(self, block_ids: list[int], payloads: list[bytes]) -> None:
         self.block_io.import_blocks(block_ids, payloads)
         self.hit_tokens += len(block_ids) * self.block_size
@@ -55,13 +62,16 @@ class TierConnector(KVConnector):
         """Write-through: store the blocks that just entered the prefix tree (blocks loaded from a tier are in
         it already, so they are not stored again)."""
         first = cached_tokens // self.block_size
-        if self.tiers.through_tiers and not self.swap_only and first < len(block_ids):
+        if self.tiers.through_tiers and first < len(block_ids):
             keys = self.keys.chain(tokens, salt)[first:len(block_ids)]
             self.tiers.store_through(list(zip(keys, self.block_io.export_blocks(block_ids[first:]))))
 
     def on_reclaimed(self, tokens: list[int], salt: str | None, block_ids: list[int]) -> None:
         keys = self.keys.chain(tokens, salt)[-len(block_ids):]
         self.tiers.store(list(zip(keys, self.block_io.export_blocks(block_ids))))
+
+    def on_checkpoint(self, tokens: list[int], salt: str | None, payload, taken: bool) -> None:
+        self.states.store(tokens, salt, payload, through=taken)
 
     # -- swap -----------------------------------------------------------------------------------------
 
@@ -95,12 +105,9 @@ class TierConnector(KVConnector):
     def close(self, prefix_tree, timeout: float) -> dict | None:
         if self.tiers.closed:
             return None
-        if self.swap_only:  # only swapped requests' private blocks: nothing a restart could use
-            self.tiers.close(timeout)
-            return None
         self.close_stats = close_tiers(self, prefix_tree, timeout)
         return self.close_stats
 
     def stats(self) -> dict:
         return {**self.tiers.stats_dict(), "tier_hit_tokens": self.hit_tokens, **(self.close_stats or {}),
-                **self.swap.stats()}
+                **self.swap.stats(), **self.states.stats()}

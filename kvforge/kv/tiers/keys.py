@@ -6,13 +6,15 @@ namespace = blake2b(sorted-key json of {
                         config (every field of the model's config as loaded: RoPE base and scaling, norms, windows,
                                 soft-caps, ...), weights mode (fp32 | int8),
                         draft: the draft model's {weights, config, weights mode} where one is used, else null},
-                format name and options, block size, layer spec, salt})
+                format name and options, block size, layer spec, salt,
+                states: a recurrent model's state groups (kind, layers, shapes) and their dtype, else absent})
 key[0]    = blake2b(namespace || tokens of block 0 as little-endian int64)
 key[i]    = blake2b(key[i-1]  || tokens of block i)
 A block's key thus names its whole prefix and everything that changes its K/V. Every input is bytes fixed by the
 model and the prompt (no Python `hash()`, no per-process seed), so every process computes the same key, and a
 different model, config, weights mode, draft, format, option, block size or tenant salt never matches. Entries are
-addressed by (KV group index, key).
+addressed by (KV group index, key). A recurrent model's state checkpoint after block i is the entry
+(STATE_GROUP, blake2b("state" || key[i])): the same chain (model, KV format, salt, tokens), in a group of its own.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from kvforge.kv.spec import KVCacheSpec
 KEY_VERSION = 2
 DIGEST_BYTES = 16
 SAMPLES_PER_TENSOR = 4096
+STATE_GROUP = 255  # the entry group of recurrent state checkpoints (KV blocks are group 0)
+STATE_DTYPE = "float32"  # how a checkpoint's tensors are stored (kvforge.kv.state_pool.StatePool.checkpoint_payload)
 
 
 @dataclass(frozen=True)
@@ -101,13 +105,16 @@ def format_options(fmt: KVFormat) -> dict:
 
 
 class KeySpace:
-    """Computes block keys for one engine: its model (ModelKey), KV format (with options), block size and layer spec."""
+    """Computes block keys for one engine: its model (ModelKey), KV format (with options), block size and layer spec,
+    and a recurrent model's state groups (`states`, kvforge.kv.groups.StateGroup), whose checkpoints have keys too."""
 
-    def __init__(self, model: ModelKey, fmt: KVFormat, block_size: int, spec: KVCacheSpec):
+    def __init__(self, model: ModelKey, fmt: KVFormat, block_size: int, spec: KVCacheSpec, states: Sequence = ()):
         self.block_size = block_size
         self.description = {"version": KEY_VERSION, "layout": LAYOUT_VERSION, "model": model.describe(),
                             "format": fmt.name, "format_options": canonical(format_options(fmt)),
                             "block_size": block_size, "spec": canonical(spec)}
+        if states:
+            self.description["states"] = {"groups": canonical(list(states)), "dtype": STATE_DTYPE}
 
     def namespace(self, salt: str | None) -> bytes:
         text = json.dumps({**self.description, "salt": salt}, sort_keys=True, allow_nan=True)
@@ -123,3 +130,7 @@ class KeySpace:
             parent = _hash(parent, ids[i * bs:(i + 1) * bs].tobytes())
             keys.append(BlockKey(group, parent))
         return keys
+
+    def state_key(self, block_key: BlockKey) -> BlockKey:
+        """The key of the state checkpoint taken after the block `block_key` names (its whole prefix)."""
+        return BlockKey(STATE_GROUP, _hash(b"state", block_key.digest))

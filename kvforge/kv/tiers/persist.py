@@ -34,7 +34,8 @@ def close_tiers(connector, prefix_tree, timeout: float = CLOSE_TIMEOUT_S) -> dic
 
 
 def persist_cached(connector, tree, deadline: float) -> tuple[int, int]:
-    """Queue the prefix tree's blocks, then host tiers' entries, for the shared write-back tiers that lack them.
+    """Queue the prefix tree's blocks, the state checkpoints in memory, then host tiers' entries, for the shared
+    write-back tiers that lack them.
     Returns (blocks queued, blocks left out at the deadline)."""
     chain = connector.tiers
     targets = [t for t in chain.back_tiers if chain.tiers[t].shared]
@@ -54,6 +55,17 @@ def persist_cached(connector, tree, deadline: float) -> tuple[int, int]:
             queued += len(items)
         else:
             skipped += len(items)
+    held = connector.held_checkpoints() if getattr(connector, "held_checkpoints", None) is not None else []
+    for tokens, salt, payload in held:  # a recurrent model's state checkpoints in memory
+        if time.monotonic() >= deadline:
+            skipped += 1
+            continue
+        key = connector.states.key(tokens, salt)
+        if _lacking(chain, [key], targets)[0]:
+            if chain.store_to([(key, payload())], targets, push=False):
+                queued += 1
+            else:
+                skipped += 1
     for t, tier in enumerate(chain.tiers):
         if tier.shared or not hasattr(tier, "items"):
             continue

@@ -6,7 +6,7 @@ import json
 import torch
 
 from kvforge.errors import ConfigError
-from kvforge.kv.groups import KVGroup
+from kvforge.kv.groups import KVGroup, StateGroup
 from kvforge.kv.layer_format import KVFormat
 from kvforge.kv.pool import KVPool
 from kvforge.kv.pool_pair import PoolPair
@@ -18,11 +18,13 @@ from kvforge.kv.tiers.keys import KeySpace, ModelKey, format_options
 from kvforge.kv.tiers.parse import TierSpec
 
 
-def layout_description(fmt: KVFormat, spec: KVCacheSpec, block_size: int) -> str:
-    """What a stored block's header names: format with options, block size and per-layer shapes."""
+def layout_description(fmt: KVFormat, spec: KVCacheSpec, block_size: int, states: list[StateGroup] = ()) -> str:
+    """What a stored entry's header names: format with options, block size and per-layer shapes; a recurrent
+    model's state groups (kind, layers, shapes) too."""
     options = json.dumps(format_options(fmt), sort_keys=True)
-    return (f"{fmt.name} {options} block_size={block_size} layers={spec.num_layers} heads={spec.num_kv_heads} "
+    text = (f"{fmt.name} {options} block_size={block_size} layers={spec.num_layers} heads={spec.num_kv_heads} "
             f"dims={spec.head_dim}/{spec.v_head_dim}")
+    return text + "".join(f" state {g.kind} layers={list(g.layers)} {list(g.shapes)}" for g in states)
 
 
 def pin_host_memory(device: torch.device | str) -> bool:
@@ -79,16 +81,17 @@ def build_tiers(specs: list[TierSpec], description: str, pin: bool = False, fsyn
 
 def build_tier_connector(specs: list[TierSpec], groups: list[KVGroup], pool: KVPool, model: ModelKey, fmt: KVFormat,
                          write_through: bool | None = None, fsync: bool = True, device: torch.device | str = "cpu",
-                         draft_pool: KVPool | None = None, swap_only: bool = False) -> TierConnector:
+                         draft_pool: KVPool | None = None, states: list[StateGroup] = ()) -> TierConnector:
     """The tiers `specs` name, opened, behind a TierConnector for `pool` (on `device`). With a draft model's pool
     (indexed by the same block ids) every entry carries both models' K/V, and its key namespace (`model`, which
-    names the draft) and header name the draft too. `swap_only`: the tiers hold swapped requests only (kvforge.kv.tiers.connector)."""
+    names the draft) and header name the draft too. `states`: a recurrent model's state groups, whose checkpoints
+    the tiers hold beside the blocks (their shapes in the namespace and header)."""
     check_tier_groups(specs, groups)
-    description = layout_description(fmt, pool.spec, pool.block_size)
+    description = layout_description(fmt, pool.spec, pool.block_size, list(states))
     block_io = pool
     if draft_pool is not None:
         description += " draft " + layout_description(fmt, draft_pool.spec, pool.block_size)
         block_io = PoolPair(pool, draft_pool)
     tiers = build_tiers(specs, description, pin=pin_host_memory(device), fsync=fsync)
     chain = TierChain(tiers, pool.block_size, write_modes(tiers, write_through))
-    return TierConnector(chain, KeySpace(model, fmt, pool.block_size, pool.spec), block_io, swap_only)
+    return TierConnector(chain, KeySpace(model, fmt, pool.block_size, pool.spec, list(states)), block_io)
