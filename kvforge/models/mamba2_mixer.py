@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.ops import layers as ops_layers
+
 SEGMENT = 64
 
 
@@ -29,6 +31,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         y = y.float() * F.silu(gate.float())
+        if self.group_size == y.shape[-1]:  # one group: the compiled norm, its weight multiplied in the same pass
+            return ops_layers.rms_norm(y, self.weight, self.eps)
         g = y.view(*y.shape[:-1], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * g.view_as(y)
@@ -70,7 +74,13 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bia
     """One sequence's depthwise causal convolution. x [T, C]; window [K - 1, C], the previous inputs, replaced in
     place by the last K - 1 inputs. Returns [T, C] and a copy of the window after each of `cuts` tokens."""
     full = torch.cat([window, x])  # [K - 1 + T, C]
-    out = F.conv1d(full.t()[None], weight, bias, groups=full.shape[1])[0].t()
+    taps, t = weight.shape[-1], x.shape[0]
+    kernel = weight.reshape(weight.shape[0], taps)
+    out = full[0:t] * kernel[:, 0]  # the depthwise convolution as K shifted multiply-adds on contiguous rows
+    for j in range(1, taps):
+        out.addcmul_(full[j:j + t], kernel[:, j])
+    if bias is not None:
+        out += bias
     k = window.shape[0]
     saved = {cut: full[cut:cut + k].clone() for cut in cuts}
     window.copy_(full[full.shape[0] - k:])
@@ -94,6 +104,10 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.n_groups, mamba["norm_eps"])
         self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=mamba["proj_bias"])
 
+    def _per_head(self, v: torch.Tensor, rep: int) -> torch.Tensor:
+        """[T, groups, N] -> [T, heads, N]: each group's B or C for its heads (one group: a broadcast view)."""
+        return v.expand(v.shape[0], rep, v.shape[2]) if self.n_groups == 1 else v.repeat_interleave(rep, dim=1)
+
     def forward(self, h: torch.Tensor, meta, kv) -> torch.Tensor:
         """h [T, hidden] of the step's sequences back to back (meta.query_start_loc / query_lens), each reading and
         updating its slot meta.state_slots[i] of this layer's state in kv.state."""
@@ -108,8 +122,7 @@ class Mamba2Mixer(nn.Module):
             conv, windows = causal_conv(xbc[rows], states["conv"][slot], self.conv1d.weight, self.conv1d.bias, cuts)
             x, b, c = F.silu(conv).split([self.intermediate, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
             x = x.reshape(n, self.n_heads, self.head_dim)
-            b = b.reshape(n, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
-            c = c.reshape(n, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
+            b, c = (self._per_head(v.reshape(n, self.n_groups, self.d_state), rep) for v in (b, c))
             y, ssms = ssd_scan(x, dt[rows], a, b, c, states["ssm"][slot], cuts)
             out[rows] = (y + self.D[:, None] * x).reshape(n, self.intermediate)
             for cut in cuts:
