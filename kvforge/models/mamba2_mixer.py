@@ -88,8 +88,8 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         y = y + _read_state(cs, state) * torch.exp(cum)[..., None]
         for cut in (c_ for c_ in cuts if s < c_ < e):
             k = cut - s
-            saved[cut] = state * torch.exp(cum[k - 1])[:, None, None] + _states_in(
-                torch.exp(cum[k - 1][None, :] - cum[:k]), xdt[:k], bs[:k])
+            saved[cut] = _states_in(torch.exp(cum[k - 1][None, :] - cum[:k]), xdt[:k], bs[:k]).addcmul_(
+                state, torch.exp(cum[k - 1])[:, None, None])  # one pass over the state, no temporary
         to_end = torch.exp(cum[-1][None, :] - cum)  # [L, H]
         state.mul_(torch.exp(cum[-1])[:, None, None]).add_(_states_in(to_end, xdt, bs))
         out.append(y)
