@@ -340,13 +340,19 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
     import mmap
 
     from kvforge.models.gguf_loader import read_gguf_header
+    from kvforge.models.gguf_recurrent import RECURRENT_GGUF_ARCHES, recurrent_config, refuse_unrun
 
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             meta, tensors = read_gguf_header(str(path), buf)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: cannot read the file as GGUF ({e})") from None
-    cfg = _gguf_config(path, meta, tied=not any(t.name == "output.weight" for t in tensors))
+    arch = meta.get("general.architecture")
+    refuse_unrun(str(path), arch)
+    if arch in RECURRENT_GGUF_ARCHES:
+        cfg = recurrent_config(str(path), arch, meta, {t.name: t.shape for t in tensors}, [])
+    else:
+        cfg = _gguf_config(path, meta, tied=not any(t.name == "output.weight" for t in tensors))
     return ResolvedModel(path.name, cfg, sum(t.nbytes for t in tensors), gguf_path=str(path))
 
 

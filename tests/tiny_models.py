@@ -37,7 +37,7 @@ def hf_config(kind: str):
     raise ValueError(kind)
 
 
-RECURRENT = ("granite-hybrid", "granite-hybrid-nope", "mamba2", "lfm2", "rwkv", "qwen3-next")
+RECURRENT = ("granite-hybrid", "granite-hybrid-nope", "mamba2", "mamba2-one-group", "lfm2", "rwkv", "qwen3-next")
 MAMBA_SMALL = {"mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_chunk_size": 16}
 
 
@@ -62,9 +62,10 @@ def _recurrent_config(kind: str):
     if kind == "rwkv":  # rescale_every 2: the inference rescaling of 4 layers applies twice
         return tf.RwkvConfig(vocab_size=96, hidden_size=64, num_hidden_layers=4, attention_hidden_size=64,
                              intermediate_size=128, context_length=512, rescale_every=2)
-    if kind == "mamba2":
+    if kind.startswith("mamba2"):  # one group (as Granite 4.0-H): B and C shared by every head, one norm group
         return tf.Mamba2Config(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_heads=8, head_dim=16,
-                               state_size=16, n_groups=2, expand=2, conv_kernel=4, chunk_size=16, initializer_range=0.2)
+                               state_size=16, n_groups=1 if kind.endswith("one-group") else 2, expand=2,
+                               conv_kernel=4, chunk_size=16, initializer_range=0.2)
     return tf.GraniteMoeHybridConfig(
         vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, **MAMBA_SMALL,

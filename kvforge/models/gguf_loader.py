@@ -21,6 +21,13 @@ from kvforge.errors import KVForgeError, ModelLoadError
 from kvforge.models.config import ModelConfig
 from kvforge.models.gemma_config import GEMMA_ARCHES, GGUF_LAYER_NAMES, LAYER_NORMS, gemma_from_gguf
 from kvforge.models.gguf_quants import dequantize_torch
+from kvforge.models.gguf_recurrent import (
+    RECURRENT_GGUF_ARCHES,
+    planned_blocks,
+    recurrent_config,
+    recurrent_weights,
+    refuse_unrun,
+)
 from kvforge.models.quant_weights import QuantBlocks, keeps_blocks
 from kvforge.models.tokenizer import Tokenizer
 
@@ -198,7 +205,8 @@ def _hf_name(name: str, arch: str) -> str | None:
 def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor], tok: Tokenizer) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in _ARCHES:
-        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; supported: {sorted(_ARCHES)}")
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; supported: "
+                             f"{sorted(_ARCHES) + list(RECURRENT_GGUF_ARCHES)}")
 
     def num(key: str, default: Any = None, kind: type = int) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -327,6 +335,8 @@ def block_table(path: str | os.PathLike[str]) -> dict[str, QuantBlocks]:
     path = os.fspath(path)
     meta, table = read_gguf_header(path, _open(path))
     arch = meta.get("general.architecture")
+    if arch in RECURRENT_GGUF_ARCHES:
+        return planned_blocks(arch, table)
     out = {}
     for t in table:
         hf = _hf_name(t.name, arch)
@@ -356,7 +366,10 @@ def _raw_rows(buf: Any, t: GGUFTensor) -> torch.Tensor:
 def _load(path: str, buf: Any, keep_blocks: bool = False):
     meta, table = read_gguf_header(path, buf)
     tensors = {t.name: t for t in table}
+    refuse_unrun(path, meta.get("general.architecture"))
     tokenizer = Tokenizer.from_gguf_metadata(meta)
+    if meta["general.architecture"] in RECURRENT_GGUF_ARCHES:
+        return _load_recurrent(path, buf, meta, tensors, tokenizer, keep_blocks)
     config = _config(path, meta, tensors, tokenizer)
     arch = meta["general.architecture"]
     unknown = [n for n in tensors if _hf_name(n, arch) is None and n not in _IGNORED]
@@ -381,6 +394,16 @@ def _load(path: str, buf: Any, keep_blocks: bool = False):
         if arch in GEMMA_ARCHES and hf.endswith("norm.weight"):
             w -= 1.0  # llama.cpp stores Gemma's norm weights as 1 + w; Hugging Face names hold w
         weights[hf] = w
+    return config, weights, blocks, tokenizer
+
+
+def _load_recurrent(path: str, buf: Any, meta: dict[str, Any], tensors: dict[str, GGUFTensor], tokenizer: Tokenizer,
+                    keep_blocks: bool):
+    arch = meta["general.architecture"]
+    shapes = {n: t.shape for n, t in tensors.items()}
+    config = recurrent_config(path, arch, meta, shapes, _eos_ids(meta, tokenizer))
+    weights, blocks = recurrent_weights(path, arch, config, tensors, keep_blocks, lambda t: _to_torch(buf, t),
+                                        lambda t: _raw_rows(buf, t), _unpermute)
     return config, weights, blocks, tokenizer
 
 

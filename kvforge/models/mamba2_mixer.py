@@ -4,8 +4,9 @@ Per sequence of a step: the causal depthwise convolution reads the last d_conv -
 state slot (zeros before its first token) and leaves its own last ones there; the selective scan starts from the
 slot's SSM state and leaves the state after the step's last token. So a prompt may arrive in one step, in chunks
 or token by token, and a batch may mix prefills and decodes: the result is the same. The scan runs in segments of
-at most SEGMENT tokens in the SSD's quadratic (attention-like) form, carrying the state between segments; segments
-also end where the step asks for a checkpoint (meta.state_cuts), whose copies go to the state pool's captures.
+at most SEGMENT tokens in the SSD's quadratic (attention-like) form, carrying the state between segments; where the
+step asks for a checkpoint (meta.state_cuts) the state there is computed from its segment's start state and inputs
+(segments are not split), and its copy goes to the state pool's captures.
 Parameter names follow Hugging Face (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`).
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvforge.ops import layers as ops_layers
 
 SEGMENT = 64
 
@@ -29,36 +32,66 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         y = y.float() * F.silu(gate.float())
+        if self.group_size == y.shape[-1]:  # one group: the compiled norm, its weight multiplied in the same pass
+            return ops_layers.rms_norm(y, self.weight, self.eps)
         g = y.view(*y.shape[:-1], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * g.view_as(y)
 
 
-def segments(length: int, cuts: list[int]) -> list[tuple[int, int]]:
-    """[start, end) pieces of at most SEGMENT tokens covering `length`, ending at every cut."""
-    ends = sorted(set(range(SEGMENT, length, SEGMENT)) | {c for c in cuts if 0 < c < length} | {length})
+def segments(length: int) -> list[tuple[int, int]]:
+    """[start, end) pieces of at most SEGMENT tokens covering `length`."""
+    ends = list(range(SEGMENT, length, SEGMENT)) + [length]
     return list(zip([0] + ends[:-1], ends))
+
+
+def _shared(v: torch.Tensor) -> bool:
+    """B or C given as one group broadcast over the heads (a stride-0 view): [T, N] products serve every head."""
+    return v.stride(1) == 0
+
+
+def _states_in(weights: torch.Tensor, xdt: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_s weights[s, h] * xdt[s, h, p] * b[s, h, n] -> [H, P, N]."""
+    wx = weights[..., None] * xdt
+    if _shared(b):
+        return (wx.reshape(wx.shape[0], -1).t() @ b[:, 0]).view(wx.shape[1], wx.shape[2], b.shape[2])
+    return torch.einsum("shp,shn->hpn", wx, b)
+
+
+def _read_state(c: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """y[t, h, p] = sum_n c[t, h, n] * state[h, p, n]."""
+    if _shared(c):
+        return (c[:, 0] @ state.reshape(-1, state.shape[2]).t()).view(c.shape[0], state.shape[0], state.shape[1])
+    return torch.einsum("thn,hpn->thp", c, state)
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              state: torch.Tensor, cuts: list[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """One sequence's scan. x [T, H, P], dt [T, H] (discretized), a [H] (negative), b, c [T, H, N] (per head),
-    state [H, P, N], updated in place to the state after the last token. Returns y [T, H, P] (without D) and a copy
-    of the state after each of `cuts` tokens (checkpoints)."""
+    """One sequence's scan. x [T, H, P], dt [T, H] (discretized), a [H] (negative), b, c [T, H, N] (per head; one
+    group may come as a broadcast view), state [H, P, N], updated in place to the state after the last token.
+    Returns y [T, H, P] (without D) and the state after each of `cuts` tokens (checkpoints): a cut inside a
+    segment does not split it, its state is the segment's start state decayed plus its inputs so far."""
     out, saved = [], {}
-    for s, e in segments(x.shape[0], list(cuts)):
+    for s, e in segments(x.shape[0]):
         xs, dts, bs, cs = x[s:e], dt[s:e], b[s:e], c[s:e]
         length = xs.shape[0]
         cum = torch.cumsum(dts * a, dim=0)  # [L, H] log decay from the segment's start through each token
         diff = cum[:, None, :] - cum[None, :, :]  # [L(t), L(s), H]: decay from token s to token t
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         decay = torch.exp(diff.masked_fill(~causal[..., None], float("-inf")))
-        scores = torch.einsum("thn,shn->tsh", cs, bs) * decay  # [L, L, H]
+        if _shared(bs) and _shared(cs):
+            scores = (cs[:, 0] @ bs[:, 0].t())[..., None] * decay  # [L, L, H]
+        else:
+            scores = torch.einsum("thn,shn->tsh", cs, bs) * decay
         xdt = xs * dts[..., None]  # [L, H, P]
         y = torch.einsum("tsh,shp->thp", scores, xdt)
-        y = y + torch.einsum("thn,hpn->thp", cs, state) * torch.exp(cum)[..., None]
+        y = y + _read_state(cs, state) * torch.exp(cum)[..., None]
+        for cut in (c_ for c_ in cuts if s < c_ < e):
+            k = cut - s
+            saved[cut] = _states_in(torch.exp(cum[k - 1][None, :] - cum[:k]), xdt[:k], bs[:k]).addcmul_(
+                state, torch.exp(cum[k - 1])[:, None, None])  # one pass over the state, no temporary
         to_end = torch.exp(cum[-1][None, :] - cum)  # [L, H]
-        state.mul_(torch.exp(cum[-1])[:, None, None]).add_(torch.einsum("sh,shp,shn->hpn", to_end, xdt, bs))
+        state.mul_(torch.exp(cum[-1])[:, None, None]).add_(_states_in(to_end, xdt, bs))
         out.append(y)
         if e in cuts:
             saved[e] = state.clone()
@@ -70,7 +103,13 @@ def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bia
     """One sequence's depthwise causal convolution. x [T, C]; window [K - 1, C], the previous inputs, replaced in
     place by the last K - 1 inputs. Returns [T, C] and a copy of the window after each of `cuts` tokens."""
     full = torch.cat([window, x])  # [K - 1 + T, C]
-    out = F.conv1d(full.t()[None], weight, bias, groups=full.shape[1])[0].t()
+    taps, t = weight.shape[-1], x.shape[0]
+    kernel = weight.reshape(weight.shape[0], taps)
+    out = full[0:t] * kernel[:, 0]  # the depthwise convolution as K shifted multiply-adds on contiguous rows
+    for j in range(1, taps):
+        out.addcmul_(full[j:j + t], kernel[:, j])
+    if bias is not None:
+        out += bias
     k = window.shape[0]
     saved = {cut: full[cut:cut + k].clone() for cut in cuts}
     window.copy_(full[full.shape[0] - k:])
@@ -94,6 +133,10 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(self.intermediate, self.intermediate // self.n_groups, mamba["norm_eps"])
         self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=mamba["proj_bias"])
 
+    def _per_head(self, v: torch.Tensor, rep: int) -> torch.Tensor:
+        """[T, groups, N] -> [T, heads, N]: each group's B or C for its heads (one group: a broadcast view)."""
+        return v.expand(v.shape[0], rep, v.shape[2]) if self.n_groups == 1 else v.repeat_interleave(rep, dim=1)
+
     def forward(self, h: torch.Tensor, meta, kv) -> torch.Tensor:
         """h [T, hidden] of the step's sequences back to back (meta.query_start_loc / query_lens), each reading and
         updating its slot meta.state_slots[i] of this layer's state in kv.state."""
@@ -108,8 +151,7 @@ class Mamba2Mixer(nn.Module):
             conv, windows = causal_conv(xbc[rows], states["conv"][slot], self.conv1d.weight, self.conv1d.bias, cuts)
             x, b, c = F.silu(conv).split([self.intermediate, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
             x = x.reshape(n, self.n_heads, self.head_dim)
-            b = b.reshape(n, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
-            c = c.reshape(n, self.n_groups, self.d_state).repeat_interleave(rep, dim=1)
+            b, c = (self._per_head(v.reshape(n, self.n_groups, self.d_state), rep) for v in (b, c))
             y, ssms = ssd_scan(x, dt[rows], a, b, c, states["ssm"][slot], cuts)
             out[rows] = (y + self.D[:, None] * x).reshape(n, self.intermediate)
             for cut in cuts:

@@ -60,7 +60,7 @@ def _mamba2(cfg: dict[str, Any]) -> ModelConfig:
     hidden, n = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
     mamba = {"n_heads": int(cfg["num_heads"]), "head_dim": int(cfg["head_dim"]), "d_state": int(cfg["state_size"]),
              "n_groups": int(cfg.get("n_groups", 8)), "d_conv": int(cfg.get("conv_kernel", 4)),
-             "intermediate": int(cfg.get("expand", 2) * hidden), "conv_bias": bool(cfg.get("use_conv_bias", True)),
+             "intermediate": int(cfg.get("d_inner") or cfg.get("expand", 2) * hidden), "conv_bias": bool(cfg.get("use_conv_bias", True)),
              "proj_bias": bool(cfg.get("use_bias", False)), "time_step_limit": _limit(cfg.get("time_step_limit")),
              "norm_eps": float(cfg.get("layer_norm_epsilon", 1e-5))}
     return ModelConfig(
@@ -80,7 +80,7 @@ def _granite(cfg: dict[str, Any]) -> ModelConfig:
     if len(types) != n or bad:
         raise ModelLoadError(f"config.json layer_types must name one of {MAMBA_KINDS + ATTENTION_KINDS} for each of "
                              f"the {n} layers; got {len(types)} entries" + (f" including {bad}" if bad else ""))
-    intermediate = int(cfg.get("mamba_expand", 2) * hidden)
+    intermediate = int(cfg.get("d_inner") or cfg.get("mamba_expand", 2) * hidden)  # d_inner: a GGUF's ssm.inner_size
     d_head = cfg.get("mamba_d_head", "auto")
     d_head = intermediate // int(cfg["mamba_n_heads"]) if d_head in (None, "auto") else int(d_head)
     mamba = {"n_heads": int(cfg["mamba_n_heads"]), "head_dim": d_head, "d_state": int(cfg.get("mamba_d_state", 256)),

@@ -9,7 +9,6 @@ layer. Parameter names follow Hugging Face (`rwkv.*`, `head`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvforge.attention import AttentionMetadata
@@ -149,4 +148,4 @@ class RwkvForCausalLM(nn.Module):
         return self.rwkv.ln_out(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.head.weight)
+        return self.head(hidden)  # an Int8Linear / QBlockLinear under weights='int8' / 'q8_0'

@@ -14,7 +14,7 @@ from kvforge.engine.scoring import position_logits
 from kvforge.errors import ConfigError
 from kvforge.models.loader import load_model
 
-KINDS = ["granite-hybrid", "granite-hybrid-nope", "mamba2", "lfm2", "rwkv", "qwen3-next"]
+KINDS = ["granite-hybrid", "granite-hybrid-nope", "mamba2", "mamba2-one-group", "lfm2", "rwkv", "qwen3-next"]
 TOKENS = torch.randint(0, 96, (150,), generator=torch.Generator().manual_seed(1)).tolist()
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 BUDGET = 4 << 20
