@@ -10,7 +10,8 @@ def register_weights(bsub) -> None:
     ll.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
     ll.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
     ll.add_argument("--npl", type=int, nargs="+", default=[1, 8, 32], help="batch sizes: sequences run together")
-    ll.add_argument("--threads", type=int, default=None, help="threads of both engines (default: torch's thread count)")
+    ll.add_argument("--threads", nargs="+", default=None, metavar="N",
+                    help="threads of both engines, one run per count: 1,2 or 1 2 (default: torch's thread count)")
     ll.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ll.add_argument("--rounds", type=int, default=3, help="rounds, sides alternating; figures are medians (default: 3)")
     ll.add_argument("--kvforge-only", action="store_true", help="measure kvforge only (no llama-cpp-python needed)")
@@ -23,6 +24,9 @@ def register_weights(bsub) -> None:
                     help="llama.cpp without its repacked weight buffers (AMX, CPU repack), for builds that crash with them")
     ll.add_argument("--weights", default=None, choices=["auto", "fp32", "int8"],
                     help="kvforge's weights (default: fp32, or auto with --gguf)")
+    ll.add_argument("--rss-tokens", type=int, default=8192, metavar="N",
+                    help="with --gguf: each engine's peak RSS in a fresh process holding an N-token fp16 KV cache "
+                         "(default 8192; 0: not measured)")
     output_options(ll, model=True)
     ll.set_defaults(func=run_llama_cpp)
 
@@ -40,24 +44,25 @@ def register_weights(bsub) -> None:
 
 
 def run_llama_cpp(args) -> int:
-    from kvforge.bench.llama_cpp import INSTALL_HINT, llama_cpp_available, llama_cpp_bench
+    import torch
+
+    from kvforge.bench.llama_cpp import INSTALL_HINT, llama_cpp_available
+    from kvforge.bench.llama_cpp_suite import llama_cpp_suite, parse_threads, summary_rows
     from kvforge.errors import ConfigError
     from kvforge.models.loader import load_model
 
+    threads = parse_threads(args.threads) if args.threads else [torch.get_num_threads()]
     if not args.kvforge_only and not llama_cpp_available():
         raise ConfigError(INSTALL_HINT)
+    if args.rss_tokens < 0:
+        raise ConfigError(f"--rss-tokens must be >= 0 (0: not measured), got {args.rss_tokens}")
     model, llama_gguf = (args.gguf, args.gguf) if args.gguf else (args.model, args.llama_gguf)
     weights = args.weights or ("auto" if args.gguf else "fp32")
-    r = llama_cpp_bench(load_model(model, weights=weights), args.npp, args.ntg, tuple(args.npl), args.threads,
-                        args.seed, args.kvforge_only, llama_gguf, args.rounds, weights, not args.llama_no_extra_bufts)
-    rows = [("threads", r["threads"])]
-    for side in ("kvforge", "llama_cpp"):
-        if side in r:
-            rows += [(f"{side} prefill tok/s", r[side]["prefill_tok_s"])]
-            rows += [(f"{side} decode tok/s, {pl} seqs", r[side][f"b{pl}"]["decode_tok_s"]) for pl in r["npl"]]
-    rows += [(f"ratio.{k}", v) for k, v in r.get("ratio", {}).items()]
-    rows += [(f"ratio_cpu.{k}", v) for k, v in r.get("ratio_cpu", {}).items()]
-    emit(r, args.json, rows)
+    r = llama_cpp_suite(load_model(model, weights=weights), threads, args.rss_tokens, args.gguf, npp=args.npp,
+                        ntg=args.ntg, npl=tuple(args.npl), seed=args.seed, kvforge_only=args.kvforge_only,
+                        llama_gguf=llama_gguf, rounds=args.rounds, weights=weights,
+                        llama_extra_bufts=not args.llama_no_extra_bufts)
+    emit(r, args.json, [("threads", ",".join(map(str, threads)))] + summary_rows(r))
     return 0
 
 
