@@ -3,6 +3,7 @@ same GGUF and with each other."""
 from __future__ import annotations
 
 from kvforge.cli.bench_output import emit, output_options
+from kvforge.config import WEIGHT_KINDS
 
 
 def register_weights(bsub) -> None:
@@ -30,10 +31,14 @@ def register_weights(bsub) -> None:
     output_options(ll, model=True)
     ll.set_defaults(func=run_llama_cpp)
 
-    w = bsub.add_parser("weights", help="two weight kinds (fp32, int8, auto) side by side: decode tok/s per batch "
-                                         "size, in one run")
-    w.add_argument("--kinds", nargs=2, default=["fp32", "int8"], choices=["auto", "fp32", "int8"],
-                   help="the two kinds, baseline first (default: fp32 int8; auto = a GGUF's blocks as stored)")
+    w = bsub.add_parser("weights", help="two weight kinds (fp32, int8, auto, q8_0, q4_0) side by side: decode tok/s "
+                                         "per batch size, resident bytes, perplexity, in one run")
+    w.add_argument("--kinds", nargs=2, default=["fp32", "int8"], choices=list(WEIGHT_KINDS),
+                   help="the two kinds, baseline first (default: fp32 int8; auto = a GGUF's blocks as stored, "
+                        "q8_0 / q4_0 = the fp32 model quantized at load)")
+    w.add_argument("--ppl-tokens", type=int, default=512, metavar="N",
+                   help="perplexity of each kind on N tokens of --ppl-text, fp32 KV (default 512; 0: not measured)")
+    w.add_argument("--ppl-text", default="hamlet", help="a named text (kvforge eval ppl's --text; default hamlet)")
     w.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence")
     w.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (decode steps)")
     w.add_argument("--npl", type=int, nargs="+", default=[1, 8], help="batch sizes: sequences run together")
@@ -68,13 +73,22 @@ def run_llama_cpp(args) -> int:
 
 def run_weights(args) -> int:
     from kvforge.bench.weights import weights_bench
+    from kvforge.errors import ConfigError
     from kvforge.models.loader import load_model
 
+    if args.ppl_tokens < 0 or args.ppl_tokens == 1:
+        raise ConfigError(f"--ppl-tokens must be 0 (not measured) or >= 2, got {args.ppl_tokens}")
     r = weights_bench(load_model(args.model), tuple(args.kinds), args.npp, args.ntg, tuple(args.npl), args.rounds,
-                      args.seed)
+                      args.seed, args.ppl_tokens, args.ppl_text)
     rows = [(f"{kind} decode tok/s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_s"]) for kind in r["kinds"]
             for pl in r["npl"]]
     rows += [(f"{kind} decode tok per CPU s, {pl} seqs", r[kind][f"b{pl}"]["decode_tok_per_cpu_s"])
              for kind in r["kinds"] for pl in r["npl"]]
+    rows += [(f"{kind} weight bytes", r["weight_bytes"][kind]) for kind in r["kinds"]]
+    rows.append(("weight bytes ratio", r["weight_bytes_ratio"]))
+    if "perplexity" in r:
+        rows += [(f"{kind} perplexity, {r['perplexity']['tokens']} tokens", r["perplexity"]["ppl"][kind])
+                 for kind in r["kinds"]]
+        rows.append(("perplexity delta %", r["perplexity"]["delta_pct"]))
     emit(r, args.json, rows + [(f"{name}.{k}", v) for name in ("ratio", "ratio_cpu") for k, v in r[name].items()])
     return 0
