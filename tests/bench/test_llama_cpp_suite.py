@@ -85,3 +85,20 @@ def test_exact_kv_sizing_leaves_nothing_over_and_refuses_a_partial_block(tiny_lo
     assert split["kv_block_bytes_total"] == _f16_bytes(tiny_loaded.config, 256) == config.kv_cache_memory
     with pytest.raises(ConfigError, match="multiple of the block size 16"):
         exact_kv_config(tiny_loaded.config, 100)
+
+
+def test_one_command_runs_every_thread_count_with_its_bandwidth_share(tiny_dir, capsys):
+    import json
+
+    from kvforge.cli import main
+
+    assert main(["bench", "llama-cpp", "--kvforge-only", "--model", tiny_dir, "--threads", "1,2", "--npp", "4",
+                 "--ntg", "2", "--npl", "1", "2", "--rounds", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["threads"] == [1, 2] and set(r["runs"]) == set(r["bandwidth_b1"]) == {"1", "2"}
+    for t in ("1", "2"):
+        run, bw = r["runs"][t], r["bandwidth_b1"][t]
+        assert run["threads"] == int(t) and "llama_cpp" not in run and "llama_cpp" not in bw
+        assert bw["kvforge"]["fraction"] == pytest.approx(
+            run["kvforge"]["weight_bytes_per_token"] * run["kvforge"]["b1"]["decode_tok_s"] / bw["copy_bytes_per_s"])
+    assert "rss_equal_kv" not in r  # no GGUF for both engines, no llama.cpp
