@@ -11,7 +11,7 @@ from kvforge.units import parse_size
 
 KV_LAYOUTS = ("paged", "contiguous")
 PREEMPTION_MODES = (None, "recompute", "swap")
-WEIGHT_KINDS = ("auto", "fp32", "int8", "q8_0")
+WEIGHT_KINDS = ("auto", "fp32", "int8", "q8_0", "q4_0")
 
 
 @dataclass
@@ -49,7 +49,8 @@ class EngineConfig:
     # "auto": as stored (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensors stay in their blocks, computed in place; other
     # tensors and fp32 checkpoints fp32); "fp32": every tensor dequantized at load; "int8": weight-only int8 linear
     # layers (per-output-channel scales), fp32 activations; "q8_0": an fp32 model's linear weights and embedding
-    # quantized at load into GGUF Q8_0 blocks, computed in place as "auto" computes a Q8_0 file
+    # quantized at load into GGUF Q8_0 blocks, computed in place as "auto" computes a Q8_0 file; "q4_0": the same with
+    # Q4_0 blocks for the layers (the embedding and LM head Q8_0)
     weights: str = "auto"
     # recurrent models with prefix caching: bytes (or a size) of the KV budget that holds state checkpoints (None:
     # one eighth of it), and every how many blocks of a prompt one is taken (plus its last whole block)

@@ -23,7 +23,6 @@ from kvforge.kv.memory import (
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.models.config import ModelConfig
 from kvforge.models.decoder_config import decoder_config
-from kvforge.models.gemma_config import GEMMA_ARCHES, gemma_from_gguf
 from kvforge.models.hf_config import is_supported, load_hf_config
 from kvforge.models.packaged import packaged_model_path
 from kvforge.models.recurrent_config import recurrent_parameter_count
@@ -331,35 +330,32 @@ def _notes(r: MemoryReport, cfg: ModelConfig) -> list[str]:
     return notes
 
 
-_GGUF_ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "deepseek2": "deepseek",
-                "gemma2": "gemma2", "gemma3": "gemma3"}
+MLA_GGUF_ARCH = "deepseek2"  # read here: the engine's GGUF loader does not load it
 
 
 def _resolve_gguf(path: Path) -> ResolvedModel:
-    """Architecture from a GGUF file's metadata only; its tensor bytes stand for the weights."""
+    """The config as the engine's loader reads it (models/gguf_loader.read_gguf_config) for the architectures it
+    loads; MLA (deepseek2) GGUFs, which it does not load, from their metadata here. Their tensor bytes stand for
+    the weights."""
     import mmap
 
-    from kvforge.models.gguf_loader import read_gguf_header
-    from kvforge.models.gguf_recurrent import RECURRENT_GGUF_ARCHES, recurrent_config, refuse_unrun
+    from kvforge.models.gguf_loader import read_gguf_config, read_gguf_header
 
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             meta, tensors = read_gguf_header(str(path), buf)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: cannot read the file as GGUF ({e})") from None
-    arch = meta.get("general.architecture")
-    refuse_unrun(str(path), arch)
-    if arch in RECURRENT_GGUF_ARCHES:
-        cfg = recurrent_config(str(path), arch, meta, {t.name: t.shape for t in tensors}, [])
+    if meta.get("general.architecture") == MLA_GGUF_ARCH:
+        cfg = _mla_gguf_config(path, meta, tied=not any(t.name == "output.weight" for t in tensors))
     else:
-        cfg = _gguf_config(path, meta, tied=not any(t.name == "output.weight" for t in tensors))
+        cfg = read_gguf_config(path)[0]
     return ResolvedModel(path.name, cfg, sum(t.nbytes for t in tensors), gguf_path=str(path))
 
 
-def _gguf_config(path: Path, meta: dict[str, Any], tied: bool) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in _GGUF_ARCHES:
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCHES)}")
+def _mla_gguf_config(path: Path, meta: dict[str, Any], tied: bool) -> ModelConfig:
+    """An MLA (deepseek2) GGUF's config, which the engine's loader does not read."""
+    arch = MLA_GGUF_ARCH
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -369,24 +365,16 @@ def _gguf_config(path: Path, meta: dict[str, Any], tied: bool) -> ModelConfig:
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
-    kv_heads, head_dim, extra = int(get("attention.head_count_kv", heads)), hidden // heads, {}
-    name = _GGUF_ARCHES[arch]
-    if name == "deepseek":
-        rope = int(get("rope.dimension_count"))
-        qk = int(meta.get(f"{arch}.attention.key_length_mla") or get("attention.key_length"))
-        v = int(meta.get(f"{arch}.attention.value_length_mla") or get("attention.value_length"))
-        extra = {"q_lora_rank": int(get("attention.q_lora_rank", 0)) or None,
-                 "kv_lora_rank": int(get("attention.kv_lora_rank")), "qk_nope_head_dim": qk - rope,
-                 "qk_rope_head_dim": rope, "v_head_dim": v, "n_routed_experts": get("expert_count", 0),
-                 "n_shared_experts": get("expert_shared_count", 0), "num_experts_per_tok": get("expert_used_count", 0),
-                 "moe_intermediate_size": get("expert_feed_forward_length", 0),
-                 "first_k_dense_replace": get("leading_dense_block_count", 0)}
-        name = "deepseek_v3" if get("expert_gating_func", 1) == 2 else "deepseek_v2"
-        kv_heads, head_dim = heads, qk
-    else:
-        head_dim = int(get("attention.key_length", head_dim))
-    gemma = gemma_from_gguf(meta, arch, int(get("block_count")), head_dim) if arch in GEMMA_ARCHES else {}
-    fields = {"tie_word_embeddings": tied, "extra": extra, **{k: gemma[k] for k in ("sliding_window", "layer_types")
-                                                               if k in gemma}}
+    rope = int(get("rope.dimension_count"))
+    qk = int(meta.get(f"{arch}.attention.key_length_mla") or get("attention.key_length"))
+    v = int(meta.get(f"{arch}.attention.value_length_mla") or get("attention.value_length"))
+    extra = {"q_lora_rank": int(get("attention.q_lora_rank", 0)) or None,
+             "kv_lora_rank": int(get("attention.kv_lora_rank")), "qk_nope_head_dim": qk - rope,
+             "qk_rope_head_dim": rope, "v_head_dim": v, "n_routed_experts": get("expert_count", 0),
+             "n_shared_experts": get("expert_shared_count", 0), "num_experts_per_tok": get("expert_used_count", 0),
+             "moe_intermediate_size": get("expert_feed_forward_length", 0),
+             "first_k_dense_replace": get("leading_dense_block_count", 0)}
+    name = "deepseek_v3" if get("expert_gating_func", 1) == 2 else "deepseek_v2"
     return ModelConfig(name, int(vocab), hidden, int(get("feed_forward_length")), int(get("block_count")), heads,
-                       kv_heads, head_dim, max_position_embeddings=int(get("context_length", 4096)), **fields)
+                       heads, qk, max_position_embeddings=int(get("context_length", 4096)), tie_word_embeddings=tied,
+                       extra=extra)

@@ -205,6 +205,7 @@ def _write_gguf(path, arch: str, kv: dict, extra: dict | None = None):
     w.add_head_count(kv["heads"])
     w.add_head_count_kv(kv["kv_heads"])
     w.add_vocab_size(100)
+    w.add_layer_norm_rms_eps(1e-5)
     for key, value in (extra or {}).items():
         getattr(w, f"add_{key}")(value)
     w.add_tensor("token_embd.weight", np.zeros((100, kv["hidden"]), np.float32))

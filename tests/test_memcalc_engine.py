@@ -45,3 +45,21 @@ def test_engine_weights_are_the_bytes_the_engine_holds_for_any_model_it_runs():
         assert r.fits.weights_bytes == planned_bytes(cfg, mode) and f"weights={mode}" in r.fits.weights_source
     with pytest.raises(ConfigError, match="engine weights must be one of"):
         memory_report(resolve_model("smollm2-135m"), memory=MiB, engine_weights="int4")
+
+
+@pytest.mark.parametrize("package", ["smollm2", "gemma3-270m"])
+def test_memory_of_a_packaged_gguf_counts_the_bytes_its_engine_holds(package, smol_path, capsys):
+    """One reader of a GGUF's config (models/gguf_loader.read_gguf_config): `kvforge memory FILE.gguf` builds the
+    model the engine loads (Gemma 3's QK-norm and local RoPE base included), so their weight bytes are equal."""
+    from kvforge.config import EngineConfig
+    from kvforge.engine.engine import LLMEngine
+    from kvforge.models.loader import load_model
+    from kvforge.models.packaged import packaged_model_path
+
+    path = smol_path if package == "smollm2" else packaged_model_path("gemma3-270m")
+    loaded = load_model(path, weights="auto")
+    assert resolve_model(path).config == loaded.config
+    assert main(["memory", path, "--memory", "4GiB", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["fits"]["weights_bytes"]
+    engine = LLMEngine(EngineConfig(kv_cache_memory="4MiB"), loaded)  # weights auto, the default
+    assert shown == engine.weight_bytes

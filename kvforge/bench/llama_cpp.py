@@ -14,6 +14,7 @@ import statistics
 
 import torch
 
+from kvforge.bench.bandwidth import gguf_bytes_per_token, model_bytes_per_token
 from kvforge.bench.timing import Clock, Timing
 from kvforge.bench.workload import random_tokens
 from kvforge.config import EngineConfig
@@ -143,12 +144,15 @@ def llama_cpp_bench(loaded, npp: int = 128, ntg: int = 64, npl: tuple[int, ...] 
         for runner in runners.values():
             runner.close()
     ours = rows["kvforge"]
+    read = model_bytes_per_token(runners["kvforge"].engine.loaded.model)
     result = {"npp": npp, "ntg": ntg, "npl": npl, "threads": threads, "seed": seed, "rounds": rounds,
-              "kvforge": {**ours, **_totals(ours, npp, ntg), "weights": weights, "kv_cache": "fp32"}}
+              "kvforge": {**ours, **_totals(ours, npp, ntg), "weights": weights, "kv_cache": "fp32",
+                          "weight_bytes_per_token": read}}
     if kvforge_only:
         return result
     theirs = rows["llama_cpp"]
-    result["llama_cpp"] = {**theirs, **_totals(theirs, npp, ntg), "gguf": path, "kv_cache": "f16"}
+    result["llama_cpp"] = {**theirs, **_totals(theirs, npp, ntg), "gguf": path, "kv_cache": "f16",
+                           "weight_bytes_per_token": gguf_bytes_per_token(path)}
     result["ratio"] = _ratios(result["kvforge"], result["llama_cpp"], npl, "tok_s")
     if threads == 1:
         result["ratio_cpu"] = _ratios(result["kvforge"], result["llama_cpp"], npl, "tok_per_cpu_s")

@@ -49,10 +49,11 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp could not create a context of {tokens} tokens for {seqs} sequences")
         return ctx
 
-    def round(self, prompts: list[list[int]], ntg: int) -> Timing:
-        """Prefill and decode times for the prompts, then ntg greedy decode steps each."""
+    def round(self, prompts: list[list[int]], ntg: int, n_ctx: int | None = None) -> Timing:
+        """Prefill and decode times for the prompts, then ntg greedy decode steps each; the context holds n_ctx
+        tokens (default: exactly what the round needs)."""
         ll, pl, npp = self.ll, len(prompts), len(prompts[0])
-        ctx = self._context(pl, pl * (npp + ntg))
+        ctx = self._context(pl, n_ctx or pl * (npp + ntg))
         batch = ll.llama_batch_init(max(N_BATCH, pl), 0, 1)
         try:
             flat = [(s, i, t) for s, p in enumerate(prompts) for i, t in enumerate(p)]

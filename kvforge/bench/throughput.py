@@ -1,5 +1,7 @@
 """Throughput: one seeded workload through kvforge (continuous batching) and transformers
-(static batches, left padding), same model, fp32, in one invocation.
+(static batches, left padding), same model, in one invocation. transformers computes in fp32 from the file's
+values (a GGUF dequantized at load); kvforge holds the weights as its `weights` mode asks (default auto: a GGUF's
+block tensors as stored, computed in place).
 
 transformers runs twice: in a fresh process as users run it (`hf`, the `speedup` baseline) and in
 this process after the engine has tuned malloc (`hf_same_allocator`, `speedup_same_allocator`),
@@ -63,6 +65,8 @@ def throughput_bench(engine, model_path: str, num_requests: int = 64, prompt_len
         "matmul_peak_gflops_per_cpu_second": peak.cpu / 1e9,
         "read_bandwidth_gbs_per_cpu_second": bandwidth.cpu / 1e9,
         "threads": torch.get_num_threads(),
+        "weights": {"kvforge": engine.weights_mode, "kvforge_bytes": engine.weight_bytes,
+                    "hf": "fp32 (transformers dequantizes a GGUF's tensors at load)"},
         "kvforge": ours,
         "roofline_fraction": ours["roofline_fraction"],
         "roofline_fraction_cpu": ours["roofline_fraction_cpu"],

@@ -1,6 +1,6 @@
 """Resident memory of the weights as an engine holds them: RSS after loading a model, after building an engine
 on it (every weight layout made, models/weight_store.py) and after a prefill, with a small fixed KV budget so the
-pool does not dominate. `python -m kvforge.bench.weights_rss [--weights fp32|int8] [--prompt-tokens 700]
+pool does not dominate. `python -m kvforge.bench.weights_rss [--weights fp32|int8|auto|q8_0|q4_0] [--prompt-tokens 700]
 [--kv-cache-memory 64MiB] [--model PATH]` prints JSON (MiB); run one process per setting (RSS only grows within one).
 Uses only LLMEngine's public API, so the same file measures an older checkout too."""
 from __future__ import annotations
@@ -49,7 +49,9 @@ def measure(model: str | None, weights: str, prompt_tokens: int, kv_cache_memory
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
-    p.add_argument("--weights", choices=["auto", "fp32", "int8"], default="fp32", help="weights mode (default fp32)")
+    from kvforge.config import WEIGHT_KINDS
+
+    p.add_argument("--weights", choices=list(WEIGHT_KINDS), default="fp32", help="weights mode (default fp32)")
     p.add_argument("--prompt-tokens", type=int, default=700, help="prefill length (default 700)")
     p.add_argument("--kv-cache-memory", default="64MiB", help="KV budget (default 64MiB)")
     a = p.parse_args()

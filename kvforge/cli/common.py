@@ -46,7 +46,8 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     g.add_argument("--weights", default=EngineConfig.weights, choices=list(WEIGHT_KINDS),
                    help="weights (default: %(default)s): auto (as stored: a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensors stay quantized and are "
                         "computed in place), fp32 (dequantized at load), int8 (per-output-channel scales, fp32 "
-                        "activations), or q8_0 (an fp32 model quantized at load into Q8_0 blocks)")
+                        "activations), q8_0 (an fp32 model quantized at load into Q8_0 blocks) or q4_0 (its layers into "
+                        "Q4_0 blocks, the embedding and LM head Q8_0)")
     g.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda:0 (default: cuda when present, else cpu)")
     g.add_argument("--speculative", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\' (default: off)')

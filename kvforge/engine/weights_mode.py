@@ -7,7 +7,7 @@ from kvforge.config import EngineConfig
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.models.quant_weights import holds_blocks
-from kvforge.models.requantize import q8_0_loaded
+from kvforge.models.requantize import MODES, requantized
 
 
 def weights_for(config: EngineConfig, loaded: LoadedModel | None, device: torch.device) -> tuple[LoadedModel, str]:
@@ -19,6 +19,6 @@ def weights_for(config: EngineConfig, loaded: LoadedModel | None, device: torch.
     mode = "auto:gguf_blocks" if holds_blocks(loaded.model) else ("fp32" if config.weights == "auto" else config.weights)
     if config.weights == "int8":
         loaded = int8_loaded(loaded)  # its own module tree with int8 linear weights
-    elif config.weights == "q8_0":
-        loaded = q8_0_loaded(loaded)  # its own module tree with Q8_0 block weights
+    elif config.weights in MODES:
+        loaded = requantized(loaded, config.weights)  # its own module tree with Q8_0 / Q4_0 block weights
     return loaded, mode

@@ -202,7 +202,7 @@ def _hf_name(name: str, arch: str) -> str | None:
     return None
 
 
-def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor], tok: Tokenizer) -> ModelConfig:
+def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor], tok: Tokenizer | None) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in _ARCHES:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; supported: "
@@ -295,10 +295,10 @@ def _check_tensors(path: str, cfg: ModelConfig, names: dict[str, GGUFTensor]) ->
                              f"e.g. {missing[:3]}")
 
 
-def _eos_ids(meta: dict[str, Any], tok: Tokenizer) -> list[int]:
-    """The eos id, llama.cpp's end-of-turn ids, and turn-end tokens the chat template writes."""
+def _eos_ids(meta: dict[str, Any], tok: Tokenizer | None) -> list[int]:
+    """The eos id, llama.cpp's end-of-turn ids, and turn-end tokens the chat template writes (None: no tokenizer)."""
     ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    template = tok.chat_template or ""
+    template = (tok.chat_template if tok is not None else None) or ""
     ids += [tok.token_to_id(t) for t in _TURN_END_TOKENS if t in template]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
@@ -405,6 +405,24 @@ def _load_recurrent(path: str, buf: Any, meta: dict[str, Any], tensors: dict[str
     weights, blocks = recurrent_weights(path, arch, config, tensors, keep_blocks, lambda t: _to_torch(buf, t),
                                         lambda t: _raw_rows(buf, t), _unpermute)
     return config, weights, blocks, tokenizer
+
+
+def read_gguf_config(path: str | os.PathLike[str]) -> tuple[ModelConfig, list[GGUFTensor]]:
+    """A GGUF's config exactly as load_gguf reads it, and its tensor table, from the header alone (the memory
+    calculator's reader too); a file without tokenizer metadata gets the config without turn-end ids."""
+    path = os.fspath(path)
+    try:
+        meta, table = read_gguf_header(path, _open(path))
+        arch = meta.get("general.architecture")
+        refuse_unrun(path, arch)
+        tok = Tokenizer.from_gguf_metadata(meta) if "tokenizer.ggml.tokens" in meta else None
+        if arch in RECURRENT_GGUF_ARCHES:
+            return recurrent_config(path, arch, meta, {t.name: t.shape for t in table}, _eos_ids(meta, tok)), table
+        return _config(path, meta, {t.name: t for t in table}, tok), table
+    except KVForgeError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{path}: corrupt or unsupported GGUF metadata ({type(e).__name__}: {e})") from e
 
 
 def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:

@@ -4,7 +4,9 @@ Rules, applied when an engine is built (`prepare_weights`) and, for a model not 
 (`planned_bytes`), so the memory calculator and the engine count by the same code:
 - fp32: every tensor stays as loaded (row-major: the embedding lookup, small_linear and the layer bridge's few-row
   path read it), and each weight the model multiplies through `ops.layers.linear` (`linear_weights`) also gets
-  its panel copy (ops/panels.py), which every step of more rows reads, prefill included. No other copy is made.
+  its panel copy (ops/panels.py), which every step of more rows reads, prefill included, except an LM head tied to
+  the embedding: the lookup reads that table row-major, so it stays the one copy (marked NO_PANELS; the head runs
+  small_linear up to 32 rows, BLAS above). No other copy is made.
 - int8 (models/int8_weights.py): each quantized weight is held as int8 only, in the int8 operator's packed layout
   (decode's few rows) and as int8 panels (more rows), with one scale per row; its fp32 original is released (the
   tensor object stays on the meta device, so shapes and state dicts still work), other tensors (embedding, norms,
@@ -28,7 +30,7 @@ from kvforge.models.int8_weights import PANELS as INT8_PANELS
 from kvforge.models.quant_weights import adopt_block_modules, attach_blocks, blocks_of
 from kvforge.ops.packed_weights import ATTRIBUTE as ONEDNN
 from kvforge.ops.panels import ATTRIBUTE as PANELS
-from kvforge.ops.panels import panels
+from kvforge.ops.panels import NO_PANELS, panels
 
 LAYOUTS = (PANELS, ONEDNN, INT8_PANELS)  # attributes of a weight tensor that hold another layout of it
 ALIGN = 64  # int8 packed weights share one buffer, each from a 64-byte boundary (ops/int8.py in_huge_pages)
@@ -49,9 +51,13 @@ def linear_weights(model: nn.Module) -> list[torch.Tensor]:
 @torch.no_grad()
 def prepare_weights(model: nn.Module) -> None:
     """Make every layout the model's kernels read now (panels of each fp32 linear weight, the int8 panels of each int8
-    one), so no step stalls packing and the free memory the KV pool is sized from already counts them."""
+    one), so no step stalls packing and the free memory the KV pool is sized from already counts them. A weight that
+    is also an embedding table (a tied LM head) keeps its one row-major copy."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for w in linear_weights(model):
-        if w.dim() == 2 and w.dtype == torch.float32 and w.device.type in ("cpu", "meta"):
+        if id(w) in tables:
+            setattr(w, NO_PANELS, True)
+        elif w.dim() == 2 and w.dtype == torch.float32 and w.device.type in ("cpu", "meta"):
             panels(w)
     for w in quantized_weights(model):
         int8_panels(w)

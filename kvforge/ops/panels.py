@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 PANEL = 16
 ATTRIBUTE = "_kvforge_panels"
+NO_PANELS = "_kvforge_no_panels"  # set on a weight that keeps its one row-major copy (a tied embedding and LM head)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -24,11 +25,11 @@ def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight's panel copy (made now if new), or None where panels do not apply."""
+    """The weight's panel copy (made now if new), or None where panels do not apply (marked NO_PANELS included)."""
     cached = getattr(weight, ATTRIBUTE, None)
     if cached is not None:
         return cached
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type not in ("cpu", "meta"):
+    if getattr(weight, NO_PANELS, False) or weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type not in ("cpu", "meta"):
         return None
     with torch.no_grad():
         cached = pack_panels(weight.detach())

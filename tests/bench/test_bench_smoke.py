@@ -24,6 +24,7 @@ def test_throughput_counts_the_same_tokens_for_both(tiny_loaded, tiny_dir):
         assert run["output_tok_s"] == pytest.approx(run["output_tokens"] / run["seconds"], rel=1e-12)
     assert r["speedup"] == pytest.approx(ours["output_tok_s"] / hf["output_tok_s"], rel=1e-12)
     assert r["speedup_same_allocator"] == pytest.approx(ours["output_tok_s"] / same["output_tok_s"], rel=1e-12)
+    assert r["weights"]["kvforge"] == "fp32" and r["weights"]["kvforge_bytes"] == engine.weight_bytes
     # the FLOPs are the closed form of this workload: every token but each request's last goes through the model
     workload = random_workload(6, (4, 20), (2, 9), tiny_loaded.config.vocab_size, 0)
     lengths = [len(w.prompt_ids) + w.max_tokens - 1 for w in workload]

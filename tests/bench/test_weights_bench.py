@@ -22,3 +22,13 @@ def test_both_kinds_run_every_round_and_ratios_follow_the_medians(tiny_loaded):
 def test_eval_ppl_refuses_int8_weights_with_the_panel(capsys):
     assert main(["eval", "ppl", "--panel", "--weights", "int8"]) == 2
     assert "--weights int8 scores one text" in capsys.readouterr().err
+
+
+def test_q4_0_against_fp32_reports_bytes_held_and_the_perplexity_delta(smol_loaded):
+    r = weights_bench(smol_loaded, kinds=("fp32", "q4_0"), npp=8, ntg=2, npl=(1,), rounds=1, ppl_tokens=64)
+    held = r["weight_bytes"]
+    assert held["q4_0"] < held["fp32"] / 4 and r["weight_bytes_ratio"] == held["q4_0"] / held["fp32"]
+    p = r["perplexity"]
+    assert p["tokens"] == 64 and p["text"] == "hamlet" and p["ppl"]["q4_0"] != p["ppl"]["fp32"]
+    assert p["delta_pct"] == pytest.approx(100 * (p["ppl"]["q4_0"] / p["ppl"]["fp32"] - 1))
+    assert abs(p["delta_pct"]) < 50

@@ -88,6 +88,7 @@ def test_gemma_projections_are_fused_views_with_panels_and_the_state_dict_unchan
         assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up_weight.untyped_storage().data_ptr()
         assert all(hasattr(w, ATTRIBUTE) for w in (attn.qkv_weight, attn.o_proj.weight, mlp.gate_up_weight,
                                                    mlp.down_proj.weight))
-    assert hasattr(model.lm_head.weight, ATTRIBUTE)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: the one row-major table, no panel copy
+    assert not hasattr(model.lm_head.weight, ATTRIBUTE)
     ours, theirs = model.state_dict(), hf.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)

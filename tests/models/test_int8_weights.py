@@ -101,5 +101,5 @@ def test_every_linear_is_quantized_once_and_its_fp32_original_released(tmp_path)
 
 
 def test_unknown_weight_kind_is_refused():
-    with pytest.raises(ConfigError, match=r"weights must be one of \('auto', 'fp32', 'int8', 'q8_0'\), got 'int4'"):
+    with pytest.raises(ConfigError, match=r"weights must be one of \('auto', 'fp32', 'int8', 'q8_0', 'q4_0'\), got 'int4'"):
         EngineConfig(weights="int4")

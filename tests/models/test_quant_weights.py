@@ -120,3 +120,36 @@ def test_q8_0_at_load_writes_ggufs_bytes_and_computes_close_to_fp32(tiny_loaded)
     engine = LLMEngine(EngineConfig(kv_cache_memory="8MiB", weights="q8_0"), tiny_loaded)
     assert engine.weights_mode == "q8_0" and holds_blocks(engine.loaded.model)
     assert len(LLM.from_engine(engine).generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids) == 8
+
+
+def test_q4_0_at_load_writes_ggufs_bytes_keeps_the_tables_q8_0_and_shrinks_the_engine(tiny_loaded):
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    from kvforge.models.requantize import q4_0_blocks, requantized
+
+    w = torch.randn(6, 96, generator=torch.Generator().manual_seed(1))
+    w[0, :32] = 0.0  # a zero block: d = 0, codes 8
+    w[1, 32:64] = torch.linspace(-1, 1, 32)  # -1 and 1 tie for the largest magnitude: the first one sets d
+    assert np.array_equal(q4_0_blocks(w).numpy(), quantize(w.numpy(), Q.Q4_0))
+    q4 = requantized(tiny_loaded, "q4_0")
+    model = q4.model
+    layer = model.model.layers[0]
+    assert blocks_of(layer.self_attn.qkv_weight).qtype == blocks_of(layer.mlp.down_proj.weight).qtype == int(Q.Q4_0)
+    assert blocks_of(layer.self_attn.q_proj.weight).data.untyped_storage().data_ptr() == \
+        blocks_of(layer.self_attn.qkv_weight).data.untyped_storage().data_ptr()
+    assert blocks_of(model.model.embed_tokens.weight).qtype == blocks_of(model.lm_head.weight).qtype == int(Q.Q8_0)
+    fp32 = tiny_loaded.model.state_dict()
+    down = "model.layers.0.mlp.down_proj.weight"
+    expected = dequantize(quantize(fp32[down].numpy(), Q.Q4_0), Q.Q4_0)
+    assert np.array_equal(model.state_dict()[down].numpy(), expected)
+    engine = LLMEngine(EngineConfig(kv_cache_memory="8MiB", weights="q4_0"), tiny_loaded)
+    assert engine.weights_mode == "q4_0" and not holds_blocks(tiny_loaded.model)
+    fp32_engine = LLMEngine(EngineConfig(kv_cache_memory="8MiB", weights="fp32"), tiny_loaded)
+    linear = sum(fp32[k].numel() for k in fp32 if k.endswith("proj.weight"))
+    tables = fp32["model.embed_tokens.weight"].numel() + fp32["lm_head.weight"].numel()
+    assert engine.weight_bytes < fp32_engine.weight_bytes
+    assert engine.weight_bytes - (linear * 18 // 32 + tables * 34 // 32) == sum(
+        fp32[k].nbytes for k in fp32 if "norm" in k) + model.rotary.inv_freq.nbytes
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    assert len(LLM.from_engine(engine).generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids) == 8

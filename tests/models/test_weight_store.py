@@ -8,7 +8,7 @@ from kvforge import SamplingParams
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.models.loader import load_model
-from kvforge.models.weight_store import planned_bytes, resident_bytes, resident_tensors
+from kvforge.models.weight_store import linear_weights, planned_bytes, resident_bytes, resident_tensors
 from kvforge.ops.packed_weights import ATTRIBUTE as ONEDNN
 
 
@@ -39,6 +39,25 @@ def test_fp32_engine_holds_the_loaded_weights_plus_one_panel_copy_of_each_linear
     assert engine.weight_bytes == engine.stats()["weight_bytes"] == expected
     assert sum(_storages(engine.loaded.model).values()) == expected
     assert planned_bytes(cfg, "fp32") == expected
+
+
+@pytest.mark.parametrize("kind", ["llama-mqa", "gemma3"])
+def test_a_tied_lm_head_is_held_once_row_major_and_steps_make_no_copy_of_it(kind, tmp_path):
+    """The embedding lookup reads the table row-major, so an LM head tied to it gets no panel copy beside it
+    (Gemma 3 270M: 640 MiB), neither at build nor on a step of many rows."""
+    from kvforge.ops.panels import ATTRIBUTE as PANELS
+
+    write_tiny_model(kind, tmp_path)
+    loaded = load_model(str(tmp_path))
+    cfg, model = loaded.config, loaded.model
+    assert cfg.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    engine = LLMEngine(EngineConfig(kv_cache_memory=1 << 22, max_num_seqs=40), loaded)
+    panel_copies = sum(getattr(w, PANELS).nbytes for w in linear_weights(model) if w is not model.lm_head.weight)
+    assert engine.weight_bytes == resident_bytes(loaded.model) == planned_bytes(cfg, "fp32")
+    row_major = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers())}
+    assert engine.weight_bytes == sum(row_major.values()) + panel_copies
+    _run(engine, [[1 + i % 7, 2, 3] for i in range(40)], 2)  # 40 rows through the LM head at once
+    assert getattr(model.lm_head.weight, PANELS, None) is None and engine.weight_bytes == resident_bytes(model)
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "gemma3"])
