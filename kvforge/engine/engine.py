@@ -96,7 +96,7 @@ class LLMEngine:
                 encode = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else None
                 self._repeat_ids = self.policy.repeat_ids(encode)
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None),
-                                          self._reconstruct if self.policy.reconstructs else None)
+                                          self._reconstruct if self.policy.reconstructs else None, self.loaded.path)
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.speculative_config:

@@ -85,8 +85,11 @@ def select_shared(scores: torch.Tensor, alive: torch.Tensor, budgets: list[int],
 
 
 @torch.inference_mode()
-def simulate(model, ids: list[int], cfg: SimConfig, chunk: int = 16) -> torch.Tensor:
-    """Negative log-likelihood of ids[1:], scored in chunks as `eval ppl` does, H2O evicting after each chunk."""
+def simulate(model, ids: list[int], cfg: SimConfig, chunk: int = 16, streaming: torch.Tensor | None = None,
+             keep_all: torch.Tensor | None = None) -> torch.Tensor:
+    """Negative log-likelihood of ids[1:], scored in chunks as `eval ppl` does, H2O evicting after each chunk.
+    streaming [layers, kv heads] (bool): those heads keep their first 4 and newest rows of their budget (the engine's
+    `heads` roles); keep_all: those heads never evict (DuoAttention's retrieval heads, beyond the budget)."""
     mc, layers = model.config, model.model.layers
     heads, group = mc.num_kv_heads, mc.num_heads // mc.num_kv_heads
     keys = [torch.zeros(0, heads, mc.head_dim) for _ in layers]
@@ -122,8 +125,24 @@ def simulate(model, ids: list[int], cfg: SimConfig, chunk: int = 16) -> torch.Te
         m = min(n, len(ids) - 1 - start)
         nll.append(-logp[torch.arange(m), torch.tensor(ids[start + 1: start + 1 + m])].double())
         if cfg.budget is not None:
+            before = alive.clone()
             alive = _evict(scores, alive, cfg, total)
+            if streaming is not None:
+                alive[streaming] = _sinks_and_recent(before[streaming], alive[streaming].sum(-1))
+            if keep_all is not None:
+                alive[keep_all] = before[keep_all]
     return torch.cat(nll)
+
+
+def _sinks_and_recent(alive: torch.Tensor, counts: torch.Tensor, sinks: int = 4) -> torch.Tensor:
+    """alive [units, N]: each unit keeps its first `sinks` alive rows and its newest counts - sinks."""
+    keep = torch.zeros_like(alive)
+    for u in range(alive.shape[0]):
+        rows, c = alive[u].nonzero()[:, 0], int(counts[u])
+        s = min(sinks, c)
+        keep[u, rows[:s]] = True
+        keep[u, rows[len(rows) - (c - s):]] = True
+    return keep
 
 
 def _evict(scores: torch.Tensor, alive: torch.Tensor, cfg: SimConfig, seen: int) -> torch.Tensor:

@@ -7,15 +7,19 @@ import torch
 
 from kvforge.errors import ConfigError
 from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView
-from kvforge.kv.policies.compact import compact
+from kvforge.kv.policies.compact import compact, full_attention_layers
+from kvforge.kv.policies.head_roles import load_roles
 from kvforge.kv.policies.keys import key_rows
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.policies.values import value_norms
 
 
 class Evictor:
-    def __init__(self, policy: KVPolicy, kv, rotary=None, reconstruct=None):
+    def __init__(self, policy: KVPolicy, kv, rotary=None, reconstruct=None, model_path: str | None = None):
         self.policy, self.kv = policy, kv
+        self.roles = None if policy.heads is None else load_roles(
+            policy.heads, model_path, policy.retrieval_heads, policy.streaming_heads,
+            len(full_attention_layers(kv)), kv.spec.num_kv_heads)
         self.reconstruct = reconstruct  # (seq, policy) -> scores of a scoring pass (kvzip; the engine's runner)
         if policy.reconstructs and reconstruct is None:
             raise ConfigError(f"kv_policy {policy.name!r} runs a scoring pass of its own; it needs the engine's runner")
@@ -102,6 +106,8 @@ class Evictor:
             keep = self.policy.keep(view)
             if keep is None:
                 continue
+            if self.roles is not None:
+                keep = self.roles.apply(keep, view.cache_len)
             start = time.perf_counter()
             view.state.grow(view.cache_len)
             self.evicted_tokens += compact(self.kv, seq, keep, self.rotary)
