@@ -10,7 +10,7 @@ import traceback
 import torch
 
 from kvforge.config import EngineConfig, check_max_model_len
-from kvforge.engine.combinations import check_combinations
+from kvforge.engine.combinations import check_combinations, check_compressed_reuse
 from kvforge.engine.grammar import RequestGrammar
 from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
 from kvforge.engine.kv_budget import budget_split, size_kv
@@ -95,6 +95,9 @@ class LLMEngine:
                 tokenizer = self.tokenizer
                 encode = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else None
                 self._repeat_ids = self.policy.repeat_ids(encode)
+            if self.policy.reuses_prefixes:
+                check_compressed_reuse(self.policy, self.groups, self.kv.stage_blocks, config.kv_cache_dtype)
+                self.kv.keep_compressed(self.policy.namespace())
             self.runner.evictor = Evictor(self.policy, self.kv, getattr(self.loaded.model, "rotary", None),
                                           self._reconstruct if self.policy.reconstructs else None, self.loaded.path)
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context

@@ -10,7 +10,8 @@ different token in each layer and head).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields
+import json
+from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -153,6 +154,15 @@ class KVPolicy:
     def query_heads(self) -> str:
         """How the attention of the query heads sharing a KV head combines before the policy sees it: sum or max."""
         return "sum"
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Compressed prompts are kept for later prompts that start with them (kvzip's `reuse`)."""
+        return False
+
+    def namespace(self) -> str:
+        """What names this policy's compressed rows: the method and every option (budget included)."""
+        return f"{self.name}:" + json.dumps(asdict(self), sort_keys=True, default=str)
 
     @property
     def per_layer(self) -> bool:

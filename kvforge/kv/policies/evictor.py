@@ -106,6 +106,8 @@ class Evictor:
             keep = self.policy.keep(view)
             if keep is None:
                 continue
+            if self.policy.reuses_prefixes:
+                keep = self._whole_blocks(keep, view)
             if self.roles is not None:
                 keep = self.roles.apply(keep, view.cache_len)
             start = time.perf_counter()
@@ -114,6 +116,14 @@ class Evictor:
             view.state.compact(keep)
             self.compactions += 1
             self.compact_seconds += time.perf_counter() - start
+            if self.policy.reuses_prefixes:
+                self.kv.store_compressed(seq, view.state)
+
+    def _whole_blocks(self, keep: torch.Tensor, view: SequenceView) -> torch.Tensor:
+        """keep with its count rounded up to whole blocks (the policy's next best rows), so shared blocks are full."""
+        m, bs = keep.shape[-1], self.kv.block_size
+        whole = min(view.cache_len, -(-m // bs) * bs)
+        return keep if whole == m else self.policy.select(view.cache_len, whole, view.state)
 
     def _record_values(self, seq, state: PolicyState, length: int, fresh: int) -> None:
         """Value norms of the rows not yet recorded and of the `fresh` last rows (this step's, maybe rewritten)."""
