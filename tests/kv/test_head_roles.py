@@ -1,4 +1,5 @@
-"""Per-head roles in the engine: streaming heads keep sinks + their newest rows, the others H2O's choice; the
+"""Per-head roles in the engine: streaming heads keep sinks + their newest rows, retrieval heads H2O's heavy hitters
+with no recent window, the others H2O's choice; the
 compaction frees real blocks and the scores match a dense cache masked per layer and KV head (evict_sim)."""
 import pytest
 import torch
@@ -26,9 +27,10 @@ def test_roles_replace_streaming_heads_rows():
     assert roles.retrieval.tolist() == [[True, False], [False, False]]
     assert roles.streaming.tolist() == [[False, True], [False, True]]
     keep = torch.tensor([0, 2, 5, 7, 8, 9])
-    out = roles.apply(keep, 12, sinks=2)
+    by_score = torch.tensor([0, 1, 2, 3, 4, 5])
+    out = roles.apply(keep, 12, by_score, sinks=2)
     assert out.shape == (2, 2, 6)
-    assert out[0, 0].tolist() == keep.tolist() and out[1, 0].tolist() == keep.tolist()
+    assert out[0, 0].tolist() == by_score.tolist() and out[1, 0].tolist() == keep.tolist()
     assert out[0, 1].tolist() == [0, 1, 8, 9, 10, 11] and out[1, 1].tolist() == [0, 1, 8, 9, 10, 11]
     assert HeadRoles(torch.zeros(2, 2, dtype=torch.int8)).apply(keep[None, None].expand(2, 2, 6), 12).equal(
         keep.expand(2, 2, 6))
@@ -49,7 +51,7 @@ def test_engine_with_roles_frees_blocks_and_matches_the_dense_reference(peaky_lo
     assert seen_blocks[-1] <= blocks_for_tokens(int(0.5 * len(TOKENS)) + 8 + 12, 8) < blocks_for_tokens(len(TOKENS), 8)
     roles = HeadScores.load(path).roles(0.25, 0.5)
     sim = simulate(peaky_loaded.model, TOKENS, SimConfig(budget=0.5, recent=0.5, slack=8), chunk=12,
-                   streaming=roles.streaming)
+                   streaming=roles.streaming, retrieval=roles.retrieval)
     torch.testing.assert_close(torch.cat(nll), sim, atol=1e-3, rtol=1e-4)
     plain = simulate(peaky_loaded.model, TOKENS, SimConfig(budget=0.5, recent=0.5, slack=8), chunk=12)
     assert (sim - plain).abs().max() > 1e-2  # the roles changed what the streaming heads attend to

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import fields, replace
 
 import torch
 
@@ -20,6 +21,9 @@ class Evictor:
         self.roles = None if policy.heads is None else load_roles(
             policy.heads, model_path, policy.retrieval_heads, policy.streaming_heads,
             len(full_attention_layers(kv)), kv.spec.num_kv_heads)
+        # retrieval heads keep by score alone: the same policy without its recent window
+        has_recent = any(f.name == "recent" for f in fields(policy))
+        self.by_score = replace(policy, recent=0.0, heads=None) if self.roles is not None and has_recent else None
         self.reconstruct = reconstruct  # (seq, policy) -> scores of a scoring pass (kvzip; the engine's runner)
         if policy.reconstructs and reconstruct is None:
             raise ConfigError(f"kv_policy {policy.name!r} runs a scoring pass of its own; it needs the engine's runner")
@@ -109,7 +113,8 @@ class Evictor:
             if self.policy.reuses_prefixes:
                 keep = self._whole_blocks(keep, view)
             if self.roles is not None:
-                keep = self.roles.apply(keep, view.cache_len)
+                alone = None if self.by_score is None else self.by_score.select(view.cache_len, keep.shape[-1], view.state)
+                keep = self.roles.apply(keep, view.cache_len, alone)
             start = time.perf_counter()
             view.state.grow(view.cache_len)
             self.evicted_tokens += compact(self.kv, seq, keep, self.rotary)

@@ -6,7 +6,9 @@ in the user cache, keyed by the model file's identity (`heads_path`). A policy's
 for the engine's model; or a path) turns the scores into roles: the `retrieval_heads` share with the highest scores
 and the `streaming_heads` share with the lowest. In the engine every head of a layer keeps the same number of rows
 (one block table per sequence), so roles decide how a head spends its rows: a streaming head keeps `sinks` + its
-newest rows, whatever the policy's scores say; a retrieval head and the rest keep the policy's choice.
+newest rows, whatever the policy's scores say; a retrieval head keeps the policy's highest-scoring rows with no
+recent window (its `recent` set to 0; it keeps everything only where the budget reaches the whole sequence, since
+DuoAttention's memory split needs a block table per head); the rest keep the policy's choice.
 """
 from __future__ import annotations
 
@@ -110,16 +112,25 @@ class HeadRoles:
     def streaming(self) -> torch.Tensor:
         return self.role == 2
 
-    def apply(self, keep: torch.Tensor, length: int, sinks: int = STREAMING_SINKS) -> torch.Tensor:
-        """The policy's kept indices ([m], or [layers, heads or 1, m]) as [layers, heads, m], streaming heads'
-        rows replaced by their first `sinks` and newest m - sinks cache indices."""
+    def apply(self, keep: torch.Tensor, length: int, by_score: torch.Tensor | None = None,
+              sinks: int = STREAMING_SINKS) -> torch.Tensor:
+        """The policy's kept indices ([m], or [layers, heads or 1, m]) as [layers, heads, m]: retrieval heads' rows
+        from `by_score` (the policy's choice without its recent window, same shapes) when given, streaming heads'
+        their first `sinks` and newest m - sinks cache indices."""
         layers, heads = self.role.shape
         m = keep.shape[-1]
-        keep = keep.reshape(-1, keep.shape[-2] if keep.dim() > 1 else 1, m).expand(layers, heads, m).clone()
+        keep = _per_head(keep, layers, heads)
+        if by_score is not None:
+            keep[self.retrieval] = _per_head(by_score, layers, heads)[self.retrieval]
         s = min(sinks, m)
         stream = torch.cat([torch.arange(s), torch.arange(length - (m - s), length)])
         keep[self.streaming] = stream
         return keep
+
+
+def _per_head(keep: torch.Tensor, layers: int, heads: int) -> torch.Tensor:
+    m = keep.shape[-1]
+    return keep.reshape(-1, keep.shape[-2] if keep.dim() > 1 else 1, m).expand(layers, heads, m).clone()
 
 
 def check_heads_option(policy_name: str, heads, retrieval: float, streaming: float) -> None:
