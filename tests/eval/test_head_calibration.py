@@ -59,3 +59,13 @@ def test_missing_or_mismatched_calibration_is_refused(tiny_dir, tmp_path, monkey
     path = HeadScores(torch.ones(3, 2), "copy-attention", "x", {}).save(tmp_path / "h.json")
     with pytest.raises(ConfigError, match=r"\(3, 2\).*\(2, 2\)"):
         load_roles(str(path), None, 0.25, 0.5, 2, 2)
+
+
+def test_model_identity_follows_the_bytes_not_the_name(tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    data = bytes(range(256)) * (3 << 12)  # 3 MiB: first and last MiB hashed, with the size
+    a.write_bytes(data)
+    b.write_bytes(data)
+    assert model_identity(str(a)) == model_identity(str(b))
+    b.write_bytes(data[:-1] + b"\x00")
+    assert model_identity(str(a)) != model_identity(str(b))
