@@ -17,7 +17,7 @@ from kvforge.cli.formatting import VersionAction, apply_formatter
 from kvforge.cli.signals import sigint_to_main_thread
 from kvforge.errors import KVForgeError
 
-SUBCOMMANDS = ["chat", "generate", "serve", "memory", "advise", "eval", "bench", "lab"]
+SUBCOMMANDS = ["chat", "generate", "serve", "memory", "advise", "eval", "bench", "lab", "calibrate"]
 
 
 def build_parser() -> argparse.ArgumentParser:

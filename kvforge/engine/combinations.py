@@ -23,3 +23,15 @@ def check_combinations(config: EngineConfig, policy, state_groups: list[StateGro
         raise ConfigError(f"speculative method {spec.method!r} is not supported on a model with "
                           f"recurrent layers ({kinds}): its drafter would run the target's layers over their state; "
                           "use 'ngram'")
+
+
+def check_compressed_reuse(policy, groups, stage_blocks: int, kv_cache_dtype: str) -> None:
+    """Compressed prompts are shared as whole blocks of full-attention layers read as stored: refuse sliding-window
+    layers (their blocks follow the window, not the compressed rows) and formats that keep fp16 windows."""
+    if any(g.sliding for g in groups):
+        raise ConfigError(f"kv_policy {policy.name!r} with reuse: this model has sliding-window layers, whose blocks "
+                          "cannot be shared compressed; leave reuse off")
+    if stage_blocks:
+        raise ConfigError(f"kv_policy {policy.name!r} with reuse: kv_cache_dtype {kv_cache_dtype!r} keeps fp16 windows "
+                          "of recent blocks, which are not shared yet; use a format without them (fp32, fp16, bf16, int8, "
+                          "fp8_e4m3, fp8_e5m2) or leave reuse off")

@@ -10,7 +10,7 @@ import traceback
 import torch
 
 from kvforge.config import EngineConfig, check_max_model_len
-from kvforge.engine.combinations import check_combinations
+from kvforge.engine.combinations import check_combinations, check_compressed_reuse
 from kvforge.engine.grammar import RequestGrammar
 from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
 from kvforge.engine.kv_budget import budget_split, size_kv
@@ -95,11 +95,15 @@ class LLMEngine:
                 tokenizer = self.tokenizer
                 encode = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else None
                 self._repeat_ids = self.policy.repeat_ids(encode)
+            if self.policy.reuses_prefixes:
+                check_compressed_reuse(self.policy, self.groups, self.kv.stage_blocks, config.kv_cache_dtype)
+                self.kv.keep_compressed(self.policy.namespace())
             rotary, inv_freq = getattr(self.loaded.model, "rotary", None), None
             if not cfg.extra.get("rope", True):  # no positions in the keys (NoPE: Granite 4.0-H): nothing turns
                 rotary, inv_freq = None, torch.zeros(cfg.head_dim // 2)
             self.runner.evictor = Evictor(self.policy, self.kv, rotary,
-                                          self._reconstruct if self.policy.reconstructs else None, inv_freq)
+                                          self._reconstruct if self.policy.reconstructs else None, self.loaded.path,
+                                          inv_freq)
         # streaming keeps RoPE positions inside a bounded cache, so a sequence may outgrow the context
         self.length_limit = 2**62 if self.policy.unbounded_context else self.max_model_len
         if self.speculative_config:

@@ -85,8 +85,11 @@ def select_shared(scores: torch.Tensor, alive: torch.Tensor, budgets: list[int],
 
 
 @torch.inference_mode()
-def simulate(model, ids: list[int], cfg: SimConfig, chunk: int = 16) -> torch.Tensor:
-    """Negative log-likelihood of ids[1:], scored in chunks as `eval ppl` does, H2O evicting after each chunk."""
+def simulate(model, ids: list[int], cfg: SimConfig, chunk: int = 16, streaming: torch.Tensor | None = None,
+             retrieval: torch.Tensor | None = None) -> torch.Tensor:
+    """Negative log-likelihood of ids[1:], scored in chunks as `eval ppl` does, H2O evicting after each chunk.
+    The engine's `heads` roles ([layers, kv heads] bool each): streaming heads keep their first 4 and newest rows of
+    their budget, retrieval heads their highest scores with no recent window."""
     mc, layers = model.config, model.model.layers
     heads, group = mc.num_kv_heads, mc.num_heads // mc.num_kv_heads
     keys = [torch.zeros(0, heads, mc.head_dim) for _ in layers]
@@ -122,11 +125,26 @@ def simulate(model, ids: list[int], cfg: SimConfig, chunk: int = 16) -> torch.Te
         m = min(n, len(ids) - 1 - start)
         nll.append(-logp[torch.arange(m), torch.tensor(ids[start + 1: start + 1 + m])].double())
         if cfg.budget is not None:
-            alive = _evict(scores, alive, cfg, total)
+            before = alive.clone()
+            alive = _evict(scores, alive, cfg, total, retrieval)
+            if streaming is not None:
+                alive[streaming] = _sinks_and_recent(before[streaming], alive[streaming].sum(-1))
     return torch.cat(nll)
 
 
-def _evict(scores: torch.Tensor, alive: torch.Tensor, cfg: SimConfig, seen: int) -> torch.Tensor:
+def _sinks_and_recent(alive: torch.Tensor, counts: torch.Tensor, sinks: int = 4) -> torch.Tensor:
+    """alive [units, N]: each unit keeps its first `sinks` alive rows and its newest counts - sinks."""
+    keep = torch.zeros_like(alive)
+    for u in range(alive.shape[0]):
+        rows, c = alive[u].nonzero()[:, 0], int(counts[u])
+        s = min(sinks, c)
+        keep[u, rows[:s]] = True
+        keep[u, rows[len(rows) - (c - s):]] = True
+    return keep
+
+
+def _evict(scores: torch.Tensor, alive: torch.Tensor, cfg: SimConfig, seen: int,
+           by_score: torch.Tensor | None = None) -> torch.Tensor:
     layers, heads = alive.shape[:2]
     budgets = cfg.layer_budgets(seen, layers)
     units = [[(li, h)] for li in range(layers) for h in range(heads)] if cfg.share == "head" else (
@@ -138,7 +156,8 @@ def _evict(scores: torch.Tensor, alive: torch.Tensor, cfg: SimConfig, seen: int)
         if sum(int(counts[u]) for u in pool) <= sum(want) + cfg.slack * len(pool):
             continue
         idx = tuple(torch.tensor(c) for c in zip(*pool))
-        alive[idx] = select_shared(scores[idx], alive[idx], want, cfg.recent, cfg.floor)
+        recent = 0.0 if by_score is not None and len(pool) == 1 and bool(by_score[pool[0]]) else cfg.recent
+        alive[idx] = select_shared(scores[idx], alive[idx], want, recent, cfg.floor)
     return alive
 
 

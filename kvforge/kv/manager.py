@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from kvforge.kv.blocks import BlockAllocator
+from kvforge.kv.compressed_prefixes import CompressedPrefixes
 from kvforge.kv.connector import KVConnector
 from kvforge.kv.groups import NULL_BLOCK, KVGroup, StateGroup
 from kvforge.kv.layer_format import KVFormat
@@ -56,6 +57,7 @@ class KVCacheManager(StagingWindows, RecurrentStates):
         self.peak_blocks_used = 0
         self.prefix_short_prompts = 0  # prompts of at most one block: nothing of them can ever be cached
         self.connector: KVConnector | None = None  # moves blocks to and from tiers (attach_connector)
+        self.compressed: CompressedPrefixes | None = None  # compressed contexts for later prompts (keep_compressed)
         self.transfers = ConnectorTransfers(weakref.proxy(self))  # no cycle: the pool goes when the manager does
 
     @property
@@ -106,6 +108,8 @@ class KVCacheManager(StagingWindows, RecurrentStates):
         held back) re-matches when the tree has grown since."""
         if self.is_swapped(req):
             return self.transfers.swap_in(req)
+        if self.compressed is not None and req.request_id not in self.requests:
+            return self._match_compressed(req)
         if self.prefix_tree is None:
             held = self.requests.get(req.request_id)  # a swapped-in request holds its restored tokens
             return held.num_matched if held is not None else req.num_computed_tokens
@@ -136,6 +140,32 @@ class KVCacheManager(StagingWindows, RecurrentStates):
             self.transfers.start_load(req, usable, num)
         return num
 
+    def keep_compressed(self, namespace: str) -> None:
+        """Keep compressed contexts (store_compressed) for later prompts that start with them; the prefix tree is
+        off under an evicting policy, so this is the only sharing then."""
+        self.compressed = CompressedPrefixes(self.allocator, namespace)
+
+    def store_compressed(self, req, policy_state) -> bool:
+        """Offer req's compressed prompt (every cached row, whole blocks only) to later requests; False when its
+        rows do not fill whole blocks or it holds more than its prompt."""
+        rows, n = self.cache_len(req), req.num_computed_tokens
+        if self.compressed is None or rows % self.block_size or n != len(req.prompt_token_ids):
+            return False
+        state = self.requests[req.request_id]
+        tables = [t[: rows // self.block_size] for t in state.block_tables]
+        self.compressed.store(req.cache_salt, req.prompt_token_ids, tables, rows, policy_state)
+        return True
+
+    def _match_compressed(self, req) -> int:
+        entry = self.compressed.match(req.cache_salt, req.token_ids)
+        if entry is None:
+            return req.num_computed_tokens
+        state = self._state(req)
+        state.block_tables, state.policy_state = self.compressed.adopt(entry)
+        state.num_evicted = entry.num_tokens - entry.rows
+        state.num_matched = state.num_adopted = entry.num_tokens
+        return entry.num_tokens
+
     def _peek(self, tokens, salt) -> int:
         """Tokens cached in every group: all full-attention blocks, and each sliding group's blocks of the
         last window before the hit point; a recurrent model's, only as far as its deepest state checkpoint."""
@@ -151,7 +181,7 @@ class KVCacheManager(StagingWindows, RecurrentStates):
 
     def record_admission(self, req) -> None:
         """Count the prefix-cache lookup of a request that was admitted (hits are its computed tokens)."""
-        if self.prefix_tree is None:
+        if self.prefix_tree is None and self.compressed is None:
             return
         self.prefix_queried_tokens += req.num_tokens
         self.prefix_hit_tokens += req.num_computed_tokens
@@ -219,6 +249,8 @@ class KVCacheManager(StagingWindows, RecurrentStates):
             if freed >= num_blocks:
                 break
             freed += tree.reclaim(num_blocks - freed)
+        if self.compressed is not None and freed < num_blocks:
+            freed += self.compressed.reclaim(num_blocks - freed)
         return freed
 
     def cache_full_blocks(self, req) -> None:
@@ -366,6 +398,8 @@ class KVCacheManager(StagingWindows, RecurrentStates):
             "prefix_reclaimed_blocks": sum(t.reclaimed_blocks for t in trees),
             "prefix_cache_granularity_tokens": self.block_size,
             "prefix_short_prompts": self.prefix_short_prompts,
+            **({"compressed_prefixes": len(self.compressed.entries), "compressed_prefix_blocks":
+                self.compressed.num_blocks_held} if self.compressed is not None else {}),
             **(self._state_stats() if self.state_pool is not None else {}),
             **(self.connector.stats() if self.connector is not None else {}),
         }

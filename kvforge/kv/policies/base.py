@@ -10,12 +10,14 @@ different token in each layer and head).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields
+import json
+from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
 import torch
 
 from kvforge.errors import ConfigError
+from kvforge.kv.policies.head_roles import check_heads_option
 
 
 @dataclass
@@ -105,6 +107,9 @@ class KVPolicy:
 
     budget: int | float | None = None
     slack: int = 16
+    heads: str | None = None  # per-head roles: "auto" or a `kvforge calibrate heads` file (scope "head"; head_roles.py)
+    retrieval_heads: float = 0.25  # with heads: the share of heads with the highest retrieval scores
+    streaming_heads: float = 0.5  # with heads: the share with the lowest, which keep sinks + their newest rows
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -119,6 +124,11 @@ class KVPolicy:
             raise ConfigError(f"{self.name}: slack must be an integer >= 0, got {self.slack!r}")
         if self.scope not in self.scopes:
             raise ConfigError(f"{self.name}: scope must be one of {', '.join(self.scopes)}, got {self.scope!r}")
+        check_heads_option(self.name, self.heads, self.retrieval_heads, self.streaming_heads)
+        if self.heads is not None and self.scope != "head":
+            raise ConfigError(f"{self.name}: heads (per-head roles) needs scope 'head' (each layer and KV head keeps "
+                              f"its own rows), got scope {self.scope!r}; policies with it: h2o, scissorhands, keydiff, "
+                              "expected_attention, kvzip")
 
     @property
     def scope(self) -> str:
@@ -144,6 +154,15 @@ class KVPolicy:
     def query_heads(self) -> str:
         """How the attention of the query heads sharing a KV head combines before the policy sees it: sum or max."""
         return "sum"
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Compressed prompts are kept for later prompts that start with them (kvzip's `reuse`)."""
+        return False
+
+    def namespace(self) -> str:
+        """What names this policy's compressed rows: the method and every option (budget included)."""
+        return f"{self.name}:" + json.dumps(asdict(self), sort_keys=True, default=str)
 
     @property
     def per_layer(self) -> bool:

@@ -2,20 +2,29 @@
 from __future__ import annotations
 
 import time
+from dataclasses import fields, replace
 
 import torch
 
 from kvforge.errors import ConfigError
 from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView
-from kvforge.kv.policies.compact import compact
+from kvforge.kv.policies.compact import compact, full_attention_layers
+from kvforge.kv.policies.head_roles import load_roles
 from kvforge.kv.policies.keys import key_rows
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.policies.values import value_norms
 
 
 class Evictor:
-    def __init__(self, policy: KVPolicy, kv, rotary=None, reconstruct=None, inv_freq: torch.Tensor | None = None):
+    def __init__(self, policy: KVPolicy, kv, rotary=None, reconstruct=None, model_path: str | None = None,
+                 inv_freq: torch.Tensor | None = None):
         self.policy, self.kv = policy, kv
+        self.roles = None if policy.heads is None else load_roles(
+            policy.heads, model_path, policy.retrieval_heads, policy.streaming_heads,
+            len(full_attention_layers(kv)), kv.spec.num_kv_heads)
+        # retrieval heads keep by score alone: the same policy without its recent window
+        has_recent = any(f.name == "recent" for f in fields(policy))
+        self.by_score = replace(policy, recent=0.0, heads=None) if self.roles is not None and has_recent else None
         self.reconstruct = reconstruct  # (seq, policy) -> scores of a scoring pass (kvzip; the engine's runner)
         if policy.reconstructs and reconstruct is None:
             raise ConfigError(f"kv_policy {policy.name!r} runs a scoring pass of its own; it needs the engine's runner")
@@ -103,12 +112,25 @@ class Evictor:
             keep = self.policy.keep(view)
             if keep is None:
                 continue
+            if self.policy.reuses_prefixes:
+                keep = self._whole_blocks(keep, view)
+            if self.roles is not None:
+                alone = None if self.by_score is None else self.by_score.select(view.cache_len, keep.shape[-1], view.state)
+                keep = self.roles.apply(keep, view.cache_len, alone)
             start = time.perf_counter()
             view.state.grow(view.cache_len)
             self.evicted_tokens += compact(self.kv, seq, keep, self.rotary)
             view.state.compact(keep)
             self.compactions += 1
             self.compact_seconds += time.perf_counter() - start
+            if self.policy.reuses_prefixes:
+                self.kv.store_compressed(seq, view.state)
+
+    def _whole_blocks(self, keep: torch.Tensor, view: SequenceView) -> torch.Tensor:
+        """keep with its count rounded up to whole blocks (the policy's next best rows), so shared blocks are full."""
+        m, bs = keep.shape[-1], self.kv.block_size
+        whole = min(view.cache_len, -(-m // bs) * bs)
+        return keep if whole == m else self.policy.select(view.cache_len, whole, view.state)
 
     def _record_values(self, seq, state: PolicyState, length: int, fresh: int) -> None:
         """Value norms of the rows not yet recorded and of the `fresh` last rows (this step's, maybe rewritten)."""

@@ -25,6 +25,8 @@ class KVzipPolicy(KVPolicy):
     chunk: context tokens repeated per forward of the scoring pass (memory: len(repeat) + chunk rows beside the cache).
     sinks: the first tokens, always kept. scope: "head" (each layer and KV head keeps its own pairs, the paper) or
         "layer" (scores summed over the KV heads).
+    reuse: keep each compressed prompt for later requests whose prompt starts with it (one context, many
+        questions: kvforge.kv.compressed_prefixes); the kept count is rounded up to whole blocks so they can be shared.
     """
 
     name = "kvzip"
@@ -37,6 +39,7 @@ class KVzipPolicy(KVPolicy):
     chunk: int = 512
     sinks: int = 4
     scope: str = "head"
+    reuse: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -46,6 +49,12 @@ class KVzipPolicy(KVPolicy):
             raise ConfigError(f"kvzip: chunk must be an integer >= 1, got {self.chunk!r}")
         if not isinstance(self.sinks, int) or self.sinks < 0:
             raise ConfigError(f"kvzip: sinks must be an integer >= 0, got {self.sinks!r}")
+        if not isinstance(self.reuse, bool):
+            raise ConfigError(f"kvzip: reuse must be true or false, got {self.reuse!r}")
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        return self.reuse
 
     @property
     def query_heads(self) -> str:
