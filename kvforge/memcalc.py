@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.errors import ConfigError, KVForgeError, ModelLoadError
-from kvforge.kv.formats import KVFormat, get_format
+from kvforge.kv.formats import KVFormat, format_for_model
 from kvforge.kv.groups import KVGroup, build_groups, state_bytes_per_sequence
 from kvforge.kv.memory import (
     bytes_for_sequence,
@@ -263,7 +263,7 @@ def memory_report(model: ResolvedModel | str, seq_len: int | None = None, batch:
     for name, value in (("seq_len", seq_len), ("batch", batch), ("block_size", block_size)):
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
-    spec, fmt = cfg.kv_cache_spec(), get_format(kv_dtype)
+    spec, fmt = cfg.kv_cache_spec(), format_for_model(kv_dtype, None, cfg)
     fmt.validate(spec, block_size)
     groups = build_groups(cfg.layer_windows())
     per_token = bytes_per_token(spec, fmt, block_size)

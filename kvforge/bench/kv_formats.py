@@ -15,7 +15,7 @@ from kvforge.bench.timing import Clock, Span
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.sequence import SequenceStatus
-from kvforge.kv.formats import format_names, get_format, parse_format_spec
+from kvforge.kv.formats import format_for_model, format_names, get_format, parse_format_spec
 from kvforge.kv.memory import budget_for, bytes_per_token, sequences_that_fit, side_bytes
 from kvforge.progress import Progress
 from kvforge.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ def decode_engine(loaded, dtype: str, context: int, batch: int, tokens: int, blo
                   options: dict | None = None) -> LLMEngine:
     """An engine with `batch` sequences at `context` tokens in the cache, room for `tokens` more each."""
     spec = loaded.config.kv_cache_spec()
-    budget = budget_for(spec, get_format(dtype, **(options or {})), block_size, context + tokens + 8, batch, 1)
+    budget = budget_for(spec, format_for_model(dtype, options, loaded.config), block_size, context + tokens + 8, batch, 1)
     engine = LLMEngine(EngineConfig(kv_cache_dtype=dtype, kv_cache_options=options, block_size=block_size,
                                     max_num_seqs=batch, kv_cache_memory=budget, max_model_len=context + tokens + 8,
                                     enable_prefix_caching=False, kv_staging_share=1.0), loaded)  # `batch` windows
@@ -111,7 +111,7 @@ def kv_formats_bench(loaded, formats: list[str] | None = None, budget: int = 1 <
     tok_s, slowdown, cpu_slowdown = decode_speeds(loaded, specs, seq_len, batch, steps, rounds, block_size, progress)
     rows = {}
     for label, (name, opts) in specs.items():
-        fmt = get_format(name, **opts)
+        fmt = format_for_model(name, opts, loaded.config)
         fit = sequences_that_fit(spec, fmt, block_size, budget, seq_len)
         rows[label] = {"bytes_per_token": bytes_per_token(spec, fmt, block_size),
                        "side_bytes_per_seq": side_bytes(spec, fmt, block_size, 1),

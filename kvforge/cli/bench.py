@@ -117,8 +117,10 @@ def register(sub) -> None:
 
     from kvforge.bench.serve import register_serve
     from kvforge.bench.structured import register_structured
+    from kvforge.cli.bench_policies import register_policies
     from kvforge.cli.bench_weights import register_weights
     register_weights(bsub)
+    register_policies(bsub)
     register_serve(bsub)
     register_structured(bsub)
 

@@ -14,6 +14,13 @@ def _budget(text: str) -> int:
         raise argparse.ArgumentTypeError(f"budgets are KV token counts, e.g. 128 256 512; got {text!r}") from None
 
 
+def _fraction(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"fractions are shares of the sequence kept, e.g. 0.25 0.5; got {text!r}") from None
+
+
 def register(sub) -> None:
     p = sub.add_parser("lab", help="measure every KV technique on a model and text; write a report with plots",
                        description=__doc__)
@@ -31,6 +38,14 @@ def register(sub) -> None:
                    help="how the advisor ranks the measured candidates")
     p.add_argument("--panel", action="store_true",
                    help="quality cells score every panel text (kvforge eval ppl --panel) and report the worst and mean")
+    p.add_argument("--methods", nargs="*", default=None,
+                   help="policies measured at --fractions of the sequence kept, on the panel or text and the retrieval "
+                        "suite (default: keydiff tova expected_attention kvzip; none with an empty list)")
+    p.add_argument("--fractions", nargs="+", type=_fraction, default=None,
+                   help="shares of the sequence --methods keep (default: quick 0.5, full 0.25 0.5 0.75)")
+    p.add_argument("--retrieval", action="store_true",
+                   help="also the retrieval suite (kvforge eval retrieval) for the full cache and each method x share")
+    p.add_argument("--heatmap", default=None, help="the method of the retrieval heat map (default: the first method)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.set_defaults(func=run, mode="quick")
 
@@ -43,7 +58,8 @@ def run(args) -> int:
     from kvforge.lab import LabOptions, run_lab
 
     options = LabOptions(args.model, args.text, args.out, args.mode, args.tokens, args.formats, args.policies,
-                         args.budgets, args.priority, not args.no_progress, args.panel)
+                         args.budgets, args.priority, not args.no_progress, args.panel, args.methods,
+                         args.fractions, args.retrieval, args.heatmap)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         lab_run, _ = run_lab(options)

@@ -22,7 +22,7 @@ from kvforge.engine.speculative.build import build_speculator, check_speculation
 from kvforge.engine.stop import check_stop
 from kvforge.engine.weights_mode import weights_for
 from kvforge.errors import InvalidRequestError, PromptTooLongError
-from kvforge.kv.formats import get_format
+from kvforge.kv.formats import format_for_model
 from kvforge.kv.groups import build_groups, state_bytes_per_sequence
 from kvforge.kv.manager import KVCacheManager
 from kvforge.kv.policies import Evictor, build_policy, check_policy_groups
@@ -52,7 +52,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.kv_spec = cfg.kv_cache_spec()
-        self.format = get_format(config.kv_cache_dtype, **(config.kv_cache_options or {}))
+        self.format = format_for_model(config.kv_cache_dtype, config.kv_cache_options, cfg)
         self.format.validate(self.kv_spec, config.block_size)
         self.layer_windows = cfg.layer_windows()
         self.groups = build_groups(self.layer_windows, config.kv_cache_groups)

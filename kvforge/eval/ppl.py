@@ -10,7 +10,7 @@ from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.scoring import iter_chunk_logits
 from kvforge.errors import PromptTooLongError
-from kvforge.kv.formats import get_format
+from kvforge.kv.formats import format_for_model
 from kvforge.kv.memory import blocks_for_tokens, bytes_per_token, pool_bytes
 from kvforge.progress import Progress
 from kvforge.sampling_params import SamplingParams
@@ -54,7 +54,7 @@ def engine_for(loaded, num_tokens: int, block_size: int = 16, max_num_seqs: int 
     """An engine whose KV budget holds num_tokens in all (4 spare blocks per sequence) in its format,
     side buffers sized for max_num_seqs."""
     spec = loaded.config.kv_cache_spec()
-    fmt = get_format(options.get("kv_cache_dtype", "fp32"), **(options.get("kv_cache_options") or {}))
+    fmt = format_for_model(options.get("kv_cache_dtype", "fp32"), options.get("kv_cache_options"), loaded.config)
     cache_tokens = min(num_tokens, loaded.config.max_position_embeddings)  # streaming runs past it in a bounded cache
     budget = pool_bytes(spec, fmt, block_size, blocks_for_tokens(cache_tokens, block_size) + 4 * max_num_seqs,
                         max_num_seqs)

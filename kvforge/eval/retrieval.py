@@ -38,8 +38,10 @@ def encode_case(tokenizer, case: Case, context: list[int]) -> tuple[list[int], l
 
 
 @torch.inference_mode()
-def answered(engine, context_len: int, ids: list[int], spans: list[tuple[int, int]], chunk_size: int) -> list[bool]:
-    """For each answer span, whether every token of it is the model's argmax (teacher-forced greedy)."""
+def answered(engine, context_len: int, ids: list[int], spans: list[tuple[int, int]], chunk_size: int,
+             held: list[int] | None = None) -> list[bool]:
+    """For each answer span, whether every token of it is the model's argmax (teacher-forced greedy).
+    held: gets the KV blocks in use once the context is in (and compressed), before the first question."""
     seq = Sequence("retrieval", None, ids[:context_len], SamplingParams(max_tokens=1), 0.0)
     seq.token_ids = list(ids)  # the prompt is the context; questions and answers follow it, teacher-forced
     runner, kv = engine.runner, engine.kv
@@ -47,6 +49,8 @@ def answered(engine, context_len: int, ids: list[int], spans: list[tuple[int, in
     cuts = [*range(0, context_len, chunk_size), *range(context_len, len(ids), chunk_size), len(ids)]
     try:
         for start, end in pairwise(cuts):
+            if start == context_len and held is not None:
+                held.append(kv.allocator.num_used)
             if not kv.allocate_slots(seq, end - start, prompt_window=False):
                 raise OutOfKVMemoryError(f"the KV cache cannot hold {end} tokens of this sequence")
             batch = ScheduledBatch([seq], [end - start])
@@ -75,16 +79,24 @@ def make_cases(tokenizer, tasks: list[str], lengths: list[int], contexts: int, q
     return out
 
 
-def retrieval_scores(engine, tokenizer, cases, chunk_size: int, progress: str | None = None) -> dict:
-    """{task: {length: accuracy}} over every question of every context."""
+def retrieval_scores(engine, tokenizer, cases, chunk_size: int, progress: str | None = None,
+                     held: list[int] | None = None) -> dict:
+    """{task: {length: accuracy}} over every question of every context. held: gets each context's KV blocks in
+    use before its first question."""
     bar = Progress(progress or "", len(cases), progress is not None)
     right: dict[str, dict[int, list[bool]]] = {}
     for task, length, case, context in cases:
         ids, spans = encode_case(tokenizer, case, context)
-        right.setdefault(task, {}).setdefault(length, []).extend(answered(engine, len(context), ids, spans, chunk_size))
+        right.setdefault(task, {}).setdefault(length, []).extend(answered(engine, len(context), ids, spans, chunk_size,
+                                                                                held))
         bar.update(1)
     bar.close()
     return {t: {str(n): sum(r) / len(r) for n, r in by.items()} for t, by in right.items()}
+
+
+def held_bytes(engine, held: list[int]) -> float:
+    """Mean KV bytes a context held when its questions began (after any compression at the end of the context)."""
+    return sum(held) / len(held) * engine.kv.block_bytes if held else 0.0
 
 
 def retrieval_eval(loaded, tasks: list[str] | None = None, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
@@ -101,8 +113,11 @@ def retrieval_eval(loaded, tasks: list[str] | None = None, lengths: tuple[int, .
               "chunk_size": chunk_size, "seed": seed, "filler": list(FILLER_TEXTS), "variants": {}}
     for label, opts in (("full", {}), *(variants or {}).items()):
         engine = engine_for(loaded, longest, **opts)
-        scores = retrieval_scores(engine, loaded.tokenizer, cases, chunk_size, f"retrieval, {label}" if progress else None)
-        row = {"options": opts, "accuracy": scores, "peak_kv_bytes": engine.kv.peak_blocks_used * engine.kv.block_bytes}
+        held: list[int] = []
+        scores = retrieval_scores(engine, loaded.tokenizer, cases, chunk_size, f"retrieval, {label}" if progress else None,
+                                  held)
+        row = {"options": opts, "accuracy": scores, "peak_kv_bytes": engine.kv.peak_blocks_used * engine.kv.block_bytes,
+               "context_kv_bytes": held_bytes(engine, held)}
         if label == "full":
             result["full"] = row
             result["solved"] = {t: {n: a >= SOLVED for n, a in by.items()} for t, by in scores.items()}

@@ -17,6 +17,7 @@ from kvforge.kv.block_bytes import (
 )
 from kvforge.kv.layer_format import KVFormat, LayerKV, RawKV, RawSide
 from kvforge.kv.lazy_zeros import lazy_zeros
+from kvforge.kv.model_defaults import model_format_options
 from kvforge.kv.quant import fp8, int4, int8, kivi2  # noqa: F401  (registered on import)
 from kvforge.kv.spec import KVCacheSpec
 from kvforge.options import json_object
@@ -116,9 +117,17 @@ def get_format(name: str, **options) -> KVFormat:
         raise ConfigError(f"kv_cache_dtype {name!r} does not take options {sorted(options)}: {e}") from None
 
 
+def format_for_model(name: str, options: dict | None = None, config=None) -> KVFormat:
+    """The format `name` for a model (config: its ModelConfig; None for none in particular): the model's recorded
+    defaults (kv/model_defaults.py) overridden by `options`."""
+    arch, hidden = getattr(config, "arch", None), getattr(config, "hidden_size", None)
+    return get_format(name, **model_format_options(name, options, arch, hidden))
+
+
 def parse_format_spec(text: str) -> tuple[str, dict]:
     """'int4' or 'int4:{"group_size": 32}' -> (name, options)."""
     name, _, raw = text.partition(":")
     return name, json_object(f"format {text!r}: the options after ':'", raw, 'int4:{"group_size": 32}')
 
-__all__ = ["BF16", "FP16", "FP32", "KVFormat", "LayerKV", "PlainFormat", "PlainLayerKV", "format_names", "get_format", "parse_format_spec"]
+__all__ = ["BF16", "FP16", "FP32", "KVFormat", "LayerKV", "PlainFormat", "PlainLayerKV", "format_for_model", "format_names", "get_format",
+           "parse_format_spec"]

@@ -6,8 +6,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-MEASURED = ("quality", "speed", "long", "passkey", "advise", "speculative")
+MEASURED = ("quality", "retrieval", "speed", "long", "passkey", "advise", "speculative")
 KINDS = (*MEASURED, "tiers")  # tiers: a hook until the engine has them
+BASELINE_FORMAT = "fp32"
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ def quality_cell(tokens: int, spec: str, policy: str | None = None, budget: int 
     return Cell("quality", f"{label} @ {text}" if text else label, params)
 
 
+def retrieval_cell(suite: dict, policy: str | None = None, budget: float | None = None) -> Cell:
+    """The retrieval suite's cases (tasks, lengths, contexts, ...) under the full cache or one policy."""
+    return Cell("retrieval", quality_label(BASELINE_FORMAT, policy, budget), {**suite, "policy": policy, "budget": budget})
+
+
 def cost(cell: Cell) -> float:
     """Rough relative time of a cell (about milliseconds on SmolLM2 over 2 cores), for the ETA."""
     p = cell.params
@@ -51,6 +57,8 @@ def cost(cell: Cell) -> float:
         return 6.0 * p["tokens"]
     if cell.kind == "speed":
         return 1.5 * p["seq_len"] * p["rounds"]
+    if cell.kind == "retrieval":
+        return 6.0 * sum(p["lengths"]) * p["contexts"] * len(p["tasks"])
     if cell.kind == "passkey":
         return 6.0 * p["length"] * len(p["depths"]) * p["trials"]
     if cell.kind == "long":

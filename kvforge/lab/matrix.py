@@ -1,7 +1,7 @@
 """The lab's matrix: which cells one run measures, from the options and the settings derived for the model."""
 from __future__ import annotations
 
-from kvforge.lab.cells import Cell, quality_cell
+from kvforge.lab.cells import Cell, quality_cell, retrieval_cell
 from kvforge.lab.measure import SKIPPED
 from kvforge.lab.options import LabOptions, Settings
 
@@ -13,6 +13,7 @@ BASELINE = "fp32"
 def plan(options: LabOptions, s: Settings, has_chat_template: bool = True) -> list[Cell]:
     """Cells in the order they run: cheap, most-wanted figures first, so an interrupted run still says most."""
     cells = quality_cells(options, s)
+    cells += retrieval_cells(options, s)
     cells += [Cell("speed", spec, {"format": spec, **s.speed}) for spec in options.formats]
     cells += [Cell("passkey", f"passkey {n} tokens", {"length": n, **{k: v for k, v in s.passkey.items() if k != "lengths"}})
               for n in s.passkey["lengths"]]
@@ -38,9 +39,18 @@ def quality_cells(options: LabOptions, s: Settings) -> list[Cell]:
         out += [quality_cell(n, BASELINE, text=text)]
         out += [quality_cell(n, spec, text=text) for spec in options.formats]
         out += [quality_cell(n, BASELINE, policy, b, text) for policy in options.policies for b in s.budgets]
+        out += [quality_cell(n, BASELINE, m, f, text) for m in options.methods for f in options.fractions]
         out += [quality_cell(n, spec, policy, b, text) for spec in s.combo_formats for policy in options.policies
                 for b in s.combo_budgets]
     return out
+
+
+def retrieval_cells(options: LabOptions, s: Settings) -> list[Cell]:
+    """The retrieval suite for the full cache (the ceiling) and each method at each share kept (none unless asked)."""
+    if not s.retrieval:
+        return []
+    return [retrieval_cell(s.retrieval)] + [retrieval_cell(s.retrieval, m, f) for m in options.methods
+                                            for f in options.fractions]
 
 
 def advise_candidates(options: LabOptions, s: Settings) -> list[str]:

@@ -59,6 +59,26 @@ def measure_quality(ctx: LabContext, p: dict) -> dict:
                                 *_format_flags(p["format"]), *policy, "--agreement-prompts", 0, "--json")}
 
 
+def measure_retrieval(ctx: LabContext, p: dict) -> dict:
+    """Exact-match accuracy per task and length, several questions after one context (`kvforge eval retrieval`)."""
+    from kvforge.eval.ppl import engine_for
+    from kvforge.eval.retrieval import encode_case, held_bytes, make_cases, retrieval_scores
+
+    tok = ctx.loaded.tokenizer
+    cases = make_cases(tok, p["tasks"], p["lengths"], p["contexts"], p["questions"], p["seed"])
+    longest = max(len(encode_case(tok, c, ids)[0]) for _, _, c, ids in cases)
+    engine = engine_for(ctx.loaded, longest, **engine_options("fp32", p["policy"], p["budget"]))
+    held: list[int] = []
+    accuracy = retrieval_scores(engine, tok, cases, p["chunk_size"], held=held)
+    policy = ["--kv-policy", p["policy"], "--budget", p["budget"]] if p["policy"] else []
+    return {"accuracy": accuracy, "peak_kv_bytes": engine.kv.peak_blocks_used * engine.kv.block_bytes,
+            "context_kv_bytes": held_bytes(engine, held),
+            "command": _command(ctx, "eval", "retrieval", "--tasks", ",".join(p["tasks"]), "--lengths",
+                                ",".join(map(str, p["lengths"])), "--contexts", p["contexts"], "--questions",
+                                p["questions"], "--chunk-size", p["chunk_size"], "--seed", p["seed"], *policy,
+                                "--json")}
+
+
 def measure_speed(ctx: LabContext, p: dict) -> dict:
     """One format's bytes/token, sequences per budget and decode speed vs fp32 (`kvforge bench kv-formats`)."""
     from kvforge.bench.kv_formats import kv_formats_bench
@@ -137,7 +157,7 @@ def engine_lacks(module: str, feature: str) -> Callable[[], str | None]:
 
 
 MEASURERS: dict[str, Callable[[LabContext, dict], dict]] = {
-    "quality": measure_quality, "speed": measure_speed, "long": measure_long, "passkey": measure_passkey,
+    "quality": measure_quality, "retrieval": measure_retrieval, "speed": measure_speed, "long": measure_long, "passkey": measure_passkey,
     "advise": measure_advise, "speculative": measure_speculative,
 }
 SKIPPED: dict[str, Callable[[], str | None]] = {

@@ -15,6 +15,10 @@ FULL_FORMATS = QUICK_FORMATS + ("bf16", "fp8_e5m2", 'int4:{"group_size": 32}', '
 QUICK_POLICIES = ("streaming", "h2o", "snapkv")
 FULL_POLICIES = ("window", "streaming", "h2o", "scissorhands", "snapkv")
 QUICK_TOKENS, FULL_TOKENS = 512, 4096
+METHODS = ("keydiff", "tova", "expected_attention", "kvzip")  # the 2025 methods, at shares of the prompt kept
+QUICK_FRACTIONS, FULL_FRACTIONS = (0.5,), (0.25, 0.5, 0.75)
+QUICK_RETRIEVAL = {"lengths": [512], "contexts": 1, "questions": 2}
+FULL_RETRIEVAL = {"lengths": [1024, 2048, 4096], "contexts": 2, "questions": 4}
 
 
 @dataclass
@@ -30,6 +34,10 @@ class LabOptions:
     priority: str = "balanced"  # for the advisor's ranking
     progress: bool = True
     panel: bool = False  # quality cells score every text of kvforge.eval.texts.PANEL (worst and mean reported)
+    methods: list[str] | None = None  # policies measured at `fractions` of the sequence kept (default: METHODS)
+    fractions: list[float] | None = None  # shares kept by `methods`, in (0, 1) (default: quick 0.5, full 0.25 0.5 0.75)
+    retrieval: bool = False  # also the retrieval suite (kvforge eval retrieval) for the full cache and `methods`
+    heatmap: str | None = None  # the method whose task x budget heat map is drawn (default: the first of methods)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -45,6 +53,16 @@ class LabOptions:
         for name in self.policies:
             if name not in allowed:
                 raise ConfigError(f"unknown policy {name!r}; allowed: {', '.join(allowed)}")
+        self.methods = list(METHODS if self.methods is None else self.methods)
+        self.fractions = sorted(self.fractions or (QUICK_FRACTIONS if self.mode == "quick" else FULL_FRACTIONS))
+        for name in self.methods:
+            if name not in allowed:
+                raise ConfigError(f"unknown method {name!r}; allowed: {', '.join(allowed)}")
+        for f in self.fractions:
+            if not isinstance(f, float) or not 0 < f < 1:
+                raise ConfigError(f"--fractions are shares of the sequence kept, in (0, 1), got {f!r}")
+        if self.heatmap is not None and self.heatmap not in self.methods:
+            raise ConfigError(f"--heatmap {self.heatmap!r} must be one of --methods ({', '.join(self.methods)})")
         for b in self.budgets or []:
             if not isinstance(b, int) or isinstance(b, bool) or b < 8:
                 raise ConfigError(f"--budgets are KV token counts >= 8, got {b!r}")
@@ -79,6 +97,7 @@ class Settings:
     passkey: dict = field(default_factory=dict)  # lengths, depths, trials, policy, budget
     advise: dict = field(default_factory=dict)  # eval_tokens, requests, output_tokens, priority
     speculative: dict = field(default_factory=dict)  # batches, prompts, max_tokens, passage_tokens (bench spec)
+    retrieval: dict = field(default_factory=dict)  # tasks, lengths, contexts, questions, chunk_size, seed ({} = off)
     combo_formats: list[str] = field(default_factory=list)
     combo_budgets: list[int] = field(default_factory=list)
 
@@ -116,7 +135,19 @@ def settings_for(options: LabOptions, context: int, text_tokens: int) -> Setting
                      "max_tokens": 32 if quick else 96, "passage_tokens": min(400 if not quick else 200, context // 3)},
         advise={"eval_tokens": tokens, "requests": 2 if quick else 4, "output_tokens": 16 if quick else 32,
                 "priority": options.priority},
+        retrieval=retrieval_settings(options, context),
         combo_formats=[f for f in (("int4",) if quick else ("int8", "int4", "kivi2")) if f in options.formats]
         or options.formats[-1:],
         combo_budgets=[mid] if quick else budgets,
     )
+
+
+def retrieval_settings(options: LabOptions, context: int) -> dict:
+    """The retrieval suite's cases for this mode: lengths the model's context holds (questions follow the context)."""
+    from kvforge.eval.retrieval_tasks import TASKS
+
+    if not options.retrieval:
+        return {}
+    preset = QUICK_RETRIEVAL if options.quick else FULL_RETRIEVAL
+    lengths = [n for n in preset["lengths"] if n <= context - 256] or [max(256, context // 2)]
+    return {"tasks": list(TASKS), **preset, "lengths": lengths, "chunk_size": 64, "seed": 0}

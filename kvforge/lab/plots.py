@@ -36,14 +36,23 @@ def _finish(ax, xlabel: str) -> None:
     ax.grid(alpha=0.3)
 
 
+def _kind(r: dict) -> str:
+    if r["policy"] and r["format"] != "fp32":
+        return "both"
+    if r["policy"]:
+        return "share" if isinstance(r["budget"], float) else "policy"
+    return "format"
+
+
 def frontier(res: dict) -> Figure | None:
     rows = [r for r in res["quality"] if "delta_pct" in r]
     if len(rows) < 2:
         return None
     fig, ax = plt.subplots(figsize=(8, 5), layout="constrained")
-    kinds = {"format": ("o", "tab:blue"), "policy": ("s", "tab:orange"), "both": ("^", "tab:green")}
+    kinds = {"format": ("o", "tab:blue"), "policy": ("s", "tab:orange"), "share": ("D", "tab:purple"),
+             "both": ("^", "tab:green")}
     for r in rows:
-        kind = "both" if r["policy"] and r["format"] != "fp32" else "policy" if r["policy"] else "format"
+        kind = _kind(r)
         marker, color = kinds[kind]
         ax.scatter(r["kv_bytes_held_per_token"], r["delta_pct"], marker=marker, color=color,
                    edgecolors="black" if r.get("pareto") else "none", s=60 if r.get("pareto") else 30, zorder=3)
@@ -60,6 +69,7 @@ def frontier(res: dict) -> Figure | None:
     ax.step(*zip(*front), where="post", color="black", lw=1, label="Pareto set", zorder=2)
     for kind, (marker, color) in kinds.items():
         ax.scatter([], [], marker=marker, color=color, label={"format": "KV format", "policy": "eviction policy (fp32)",
+                                                                "share": "policy keeping a share of the sequence",
                                                                 "both": "policy x format"}[kind])
     ax.set_xscale("log")
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
@@ -96,7 +106,8 @@ def budgets(res: dict) -> Figure | None:
     for r in res["quality"]:
         if r["policy"] and "delta_pct" in r:
             key = r["policy"] + ("" if r["format"] == "fp32" else f" + {r['format']}")
-            lines.setdefault(key, []).append((r["budget"], r["delta_pct"]))
+            kept = r["budget"] if isinstance(r["budget"], int) else round(r["budget"] * res["settings"]["tokens"])
+            lines.setdefault(key, []).append((kept, r["delta_pct"]))
     if not lines:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
@@ -152,6 +163,50 @@ def passkey(res: dict) -> Figure | None:
     return fig
 
 
+def retrieval_frontier(res: dict) -> Figure | None:
+    """Mean retrieval accuracy against the KV held when the questions began (share of the full cache's), per method."""
+    r = res.get("retrieval")
+    if not r or not r["full"] or len(r["rows"]) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    lines: dict[str, list[tuple[float, float, float]]] = {}
+    for row in r["rows"]:
+        if row["policy"]:
+            lines.setdefault(row["policy"], []).append((row["kv_fraction"], row["mean_accuracy"], row["budget"]))
+    for name, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], marker="o", label=name)
+        for x, y, b in pts:
+            ax.annotate(f"{b:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    full = next(row for row in r["rows"] if not row["policy"])
+    ax.scatter([1.0], [full["mean_accuracy"]], marker="*", s=120, color="black", zorder=3, label="full cache")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_ylabel("mean exact-match accuracy (every task and length)")
+    _finish(ax, "KV held when the questions begin, share of the full cache's (labels: share of the sequence kept)")
+    return fig
+
+
+def retrieval_heatmap(res: dict) -> Figure | None:
+    """Accuracy per task and length (rows) and share kept (columns) for one method, the full cache last."""
+    r, method = res.get("retrieval"), res.get("heatmap")
+    rows = sorted((row for row in (r or {}).get("rows", []) if row["policy"] == method), key=lambda row: row["budget"])
+    if not rows or not r["full"]:
+        return None
+    columns = [*rows, {"budget": "full", "accuracy": r["full"]["accuracy"]}]
+    items = [(t, n) for t, by in r["full"]["accuracy"].items() for n in by]
+    grid = [[col["accuracy"][t][n] for col in columns] for t, n in items]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.0 * len(columns), 0.9 + 0.38 * len(items)), layout="constrained")
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i, line in enumerate(grid):
+        for j, v in enumerate(line):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(columns)), [str(c["budget"]) for c in columns])
+    ax.set_yticks(range(len(items)), [f"{t} @ {n}" for t, n in items], fontsize=8)
+    ax.set_xlabel(f"{method}: share of the sequence kept (full: the full cache, the ceiling)")
+    fig.colorbar(im, ax=ax, label="accuracy")
+    return fig
+
+
 def advisor(res: dict) -> Figure | None:
     a = res["advise"]
     if not a or not a["rows"]:
@@ -169,6 +224,12 @@ PLOTS = [
     ("frontier", "Memory x quality frontier", frontier,
      ("Each point is one KV format, eviction policy or both; the outlined points joined by the step line are the "
      "Pareto set (nothing else holds less KV and loses less perplexity).")),
+    ("retrieval_frontier", "Retrieval accuracy x KV memory", retrieval_frontier,
+     ("Mean exact-match accuracy of the retrieval suite (several questions after one compressed context) against the "
+      "KV each configuration held once its context was in (compressed), as a share of the full cache's; the star is "
+      "the full cache.")),
+    ("retrieval_heatmap", "Retrieval accuracy by task and budget", retrieval_heatmap,
+     "Exact-match accuracy of one method per task and context length (rows) and share kept (columns)."),
     ("decode_speed", "Decode speed per KV format", speed,
      ("Median decode tokens/s with the cache filled to a fixed context; labels give the speed vs an fp32 cache timed "
      "in the same cell (interleaved rounds).")),

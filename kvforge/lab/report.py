@@ -86,6 +86,16 @@ def _quality_table(res: dict) -> str:
     return _table(["configuration", "format B/token", "KV held B/token", "ppl", *worst, "Pareto"], rows)
 
 
+def _retrieval_table(res: dict) -> str:
+    r = res["retrieval"]
+    items = [(t, n) for t, by in r["rows"][0]["accuracy"].items() for n in by]
+    rows = [[row["label"], *(f"{row['accuracy'][t][n]:.2f}" for t, n in items), f"{row['mean_accuracy']:.3f}",
+             f"{row.get('kv_fraction', float('nan')):.3f}",
+             "" if row.get("worst_solved_ratio") is None else f"{row['worst_solved_ratio']:.2f}"] for row in r["rows"]]
+    return _table(["configuration", *(f"{t} @ {n}" for t, n in items), "mean", "KV at questions vs full",
+                   "worst vs full (solved items)"], rows)
+
+
 def _speed_table(res: dict) -> str:
     rows = [[k, f"{r['bytes_per_token']:.0f}", r["sequences_fit"], f"{r['capacity_ratio_vs_fp16']:.2f}",
              f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s'] / r['fp32_decode_tok_s']:.2f}x"]
@@ -113,6 +123,8 @@ def render_html(res: dict, plots: list[Plot]) -> str:
     parts += [f"<h2>{_esc(p.title)}</h2>{_image(p)}" for p in plots]
     if res["quality"]:
         parts.append("<h2>Quality and memory</h2>" + _quality_table(res))
+    if res.get("retrieval"):
+        parts.append("<h2>Retrieval (exact match, several questions after one context)</h2>" + _retrieval_table(res))
     if res["speed"]:
         parts.append("<h2>Formats: memory and speed</h2>" + _speed_table(res))
     if res["speculative"]:
@@ -120,6 +132,7 @@ def render_html(res: dict, plots: list[Plot]) -> str:
             ["workload", "plain tok/s", "ngram tok/s", "decode speedup", "acceptance", "mean accepted", "same output"],
             spec_rows(res)))
     commands = sorted({r["command"] for r in res["quality"]} | {r["command"] for r in res["speed"].values()}
+                      | {r["command"] for r in (res.get("retrieval") or {}).get("rows", [])}
                       | set((res["passkey"] or {}).get("commands", []))
                       | {x["command"] for x in (res["long"], res["advise"], res["speculative"]) if x})
     parts.append("<h2>Reproduce</h2><details><summary>the single command behind every figure</summary><pre>"
@@ -139,6 +152,9 @@ def render_summary(res: dict) -> str:
         seg = res["long"]["segments"]
         lines += ["", (f"StreamingLLM over {res['long']['tokens']} tokens: segment perplexity {min(seg):.2f} .. "
                       f"{max(seg):.2f}, peak KV {max(res['long']['segment_peak_kv_bytes']) / 2**20:.1f} MiB")]
+    for row in (res.get("retrieval") or {}).get("rows", []):
+        lines += [f"- retrieval {row['label']}: mean accuracy {row['mean_accuracy']:.3f}"
+                  + (f", KV at the questions {row['kv_fraction']:.3f} of the full cache's" if "kv_fraction" in row else "")]
     if res["passkey"]:
         g = res["passkey"]
         mean = [sum(map(sum, g[k])) / (len(g["lengths"]) * len(g["depths"])) for k in ("full", "with_policy")]

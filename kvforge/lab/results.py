@@ -78,6 +78,32 @@ def passkey_grid(records: dict) -> dict | None:
             "commands": [r["command"] for _, r in cells]}
 
 
+def retrieval_rows(records: dict) -> dict | None:
+    """The retrieval suite: the full cache's accuracy (the ceiling) and one row per method and share kept, each with
+    its mean accuracy, the KV its questions were answered from against the full cache's (kv_fraction; the peak
+    beside it) and its worst ratio on the items the full cache solves."""
+    from kvforge.eval.retrieval import SOLVED
+
+    cells = [(c, r["result"]) for c, r in records.items() if c.kind == "retrieval"]
+    if not cells:
+        return None
+    full = next((r for c, r in cells if c.params["policy"] is None), None)
+    rows = []
+    for c, r in cells:
+        acc = [a for by in r["accuracy"].values() for a in by.values()]
+        row = {"label": c.label, "policy": c.params["policy"], "budget": c.params["budget"], **r,
+               "mean_accuracy": sum(acc) / len(acc)}
+        if full:
+            row["kv_fraction"] = r["context_kv_bytes"] / full["context_kv_bytes"]  # KV the questions are answered from
+            row["peak_kv_fraction"] = r["peak_kv_bytes"] / full["peak_kv_bytes"]
+            ratios = [r["accuracy"][t][n] / a for t, by in full["accuracy"].items() for n, a in by.items()
+                      if a >= SOLVED]
+            row["worst_solved_ratio"] = min(ratios) if ratios else None
+        rows.append(row)
+    return {"settings": {k: v for k, v in cells[0][0].params.items() if k not in ("policy", "budget")},
+            "full": full, "rows": rows}
+
+
 def one(records: dict, kind: str) -> dict | None:
     return next((r["result"] for c, r in records.items() if c.kind == kind), None)
 
@@ -91,7 +117,8 @@ def build_results(run, ctx, options) -> dict[str, Any]:
         "settings": asdict(ctx.settings),
         "run": {"seconds": run.seconds, "measured": run.measured, "reused": run.reused,
                 "interrupted": run.interrupted, "pending": pending},
-        "baseline": base, "quality": rows, "speed": speed, "passkey": passkey_grid(run.records),
+        "baseline": base, "quality": rows, "retrieval": retrieval_rows(run.records), "heatmap": options.heatmap
+        or next(iter(options.methods), None), "speed": speed, "passkey": passkey_grid(run.records),
         "long": one(run.records, "long"), "advise": one(run.records, "advise"),
         "speculative": one(run.records, "speculative"),
         "skipped": [{"kind": c.kind, "label": c.label, "note": c.skip} for c in run.cells if c.skip],

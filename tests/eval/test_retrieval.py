@@ -54,11 +54,13 @@ def test_compressed_context_serves_every_question_and_frees_its_blocks(smol_load
     tok = smol_loaded.tokenizer
     cases = make_cases(tok, ["niah_multikey"], [512], 1, 3, seed=0)
     engine = engine_for(smol_loaded, 600, kv_policy="snapkv", kv_policy_options={"budget": 0.5})
-    scores = retrieval_scores(engine, tok, cases, chunk_size=64)
+    held: list[int] = []
+    scores = retrieval_scores(engine, tok, cases, chunk_size=64, held=held)
     assert set(scores) == {"niah_multikey"} and 0 <= scores["niah_multikey"]["512"] <= 1
     stats = engine.stats()
     context = len(cases[0][3])  # snapkv halves the context once, before any question; answers are all kept
     assert stats["kv_evicted_tokens"] == context - context // 2 and stats["kv_blocks_used"] == 0
+    assert held == [-(-(context // 2) // engine.kv.block_size)]  # the questions began on the halved context's blocks
 
 
 def test_cli_refuses_unknown_tasks_and_lengths_past_the_context(capsys):
@@ -87,3 +89,4 @@ def test_cli_scores_every_variant_on_the_same_cases_beside_the_full_cache(capsys
         acc = v["accuracy"]["niah_single"]["256"]
         assert acc in (0.0, 0.5, 1.0) and v["relative"]["niah_single"]["256"] == (acc / full if full else None)
         assert v["peak_kv_bytes"] < r["full"]["peak_kv_bytes"]  # the compressed caches held fewer blocks
+        assert 0 < v["context_kv_bytes"] < r["full"]["context_kv_bytes"]

@@ -29,10 +29,12 @@ def test_panel_cells_fold_into_worst_and_mean_per_configuration():
     from kvforge.lab.options import LabOptions, settings_for
     from kvforge.lab.results import quality_rows
 
-    opts = LabOptions(formats=["int8"], policies=["h2o"], budgets=[64], panel=True)
+    opts = LabOptions(formats=["int8"], policies=["h2o"], budgets=[64], panel=True, methods=["kvzip"],
+                      fractions=[0.25, 0.5])
     cells = quality_cells(opts, settings_for(opts, 8192, 5000))
     assert {c.params["text"] for c in cells} == set(PANEL)
-    assert len(cells) == len(PANEL) * 4  # fp32, int8, fp32+h2o, int8+h2o per text
+    assert len(cells) == len(PANEL) * 6  # fp32, int8, fp32+h2o, fp32+kvzip at 0.25 and 0.5, int8+h2o per text
+    assert {c.params["budget"] for c in cells if c.params["policy"] == "kvzip"} == {0.25, 0.5}
     assert len({c.key(CONTEXT) for c in cells}) == len(cells)
     ppl = {("fp32", "a"): 10.0, ("int8", "a"): 10.1, ("fp32", "b"): 20.0, ("int8", "b"): 20.6}
     records = {quality_cell(64, fmt, text=t): {"result": {"ppl": p, "peak_kv_bytes": 640 if fmt == "fp32" else 160,

@@ -192,7 +192,7 @@ def test_bad_input_is_a_clear_error_before_any_work(argv, message, lab_model, la
 
 def test_full_mode_scores_the_full_cache_beside_streaming_past_the_context(lab_model, lab_text, tmp_path, capsys):
     opts = LabOptions(model=lab_model, text=lab_text, out=str(tmp_path), mode="full", formats=["int8"],
-                      policies=["streaming"], budgets=[64, 128], progress=False)
+                      policies=["streaming"], budgets=[64, 128], progress=False, methods=[])
     run_lab(opts)
     res = json.loads((tmp_path / "results.json").read_text())
     long = res["long"]
@@ -213,3 +213,38 @@ def test_a_text_within_the_context_skips_the_long_cell_with_a_note(lab_model, tm
     note = next(s["note"] for s in res["skipped"] if s["kind"] == "long")
     assert "not more than the model's context of 512" in note and html.escape(note) in (tmp_path / "out" / "report.html").read_text()
     assert not run.interrupted and res["run"]["pending"] == []
+
+
+def test_methods_at_shares_kept_and_the_retrieval_suite(lab_model, lab_text, tmp_path, capsys):
+    """The 2025 methods at shares of the sequence kept, on perplexity and on the retrieval suite (figures equal
+    kvforge eval ppl / eval retrieval), drawn on the retrieval frontier and a task x budget heat map."""
+    from kvforge.lab.report import write_report
+    from kvforge.lab.runner import LabRun, prepare
+
+    model = tmp_path / "model"  # the tiny model with a 2,048-token context: a character-level case needs ~1,100
+    shutil.copytree(lab_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    opts = options(str(model), lab_text, tmp_path / "out", policies=["h2o"], budgets=[64], methods=["keydiff", "kvzip"], fractions=[0.25, 0.5], retrieval=True, heatmap="kvzip")
+    ctx, cells, _ = prepare(opts)
+    wanted = [c for c in cells if c.kind == "retrieval"
+              or (c.kind == "quality" and c.params["format"] == "fp32" and c.params["policy"] in (None, "keydiff", "kvzip"))]
+    assert len(wanted) == 10  # fp32 + 4 quality cells, the full cache + 4 retrieval cells
+    run = LabRun(opts.out, {c: {"result": lab_measure.run_cell(ctx, c)} for c in wanted}, wanted)
+    res = write_report(run, ctx, opts)
+    quality = {r["label"]: r for r in res["quality"]}
+    ref = single_command(quality["fp32+kvzip:0.25"]["command"], capsys)
+    assert ref["ppl"] == quality["fp32+kvzip:0.25"]["ppl"] and ref["peak_kv_bytes"] == quality["fp32+kvzip:0.25"]["peak_kv_bytes"]
+    assert quality["fp32+keydiff:0.25"]["peak_kv_bytes"] < quality["fp32+keydiff:0.5"]["peak_kv_bytes"] < quality["fp32"]["peak_kv_bytes"]
+    rows = {r["label"]: r for r in res["retrieval"]["rows"]}
+    assert set(rows) == {"fp32", "fp32+keydiff:0.25", "fp32+keydiff:0.5", "fp32+kvzip:0.25", "fp32+kvzip:0.5"}
+    ref = single_command(rows["fp32+kvzip:0.5"]["command"], capsys)
+    assert ref["variants"]["fp32 kvzip 0.5"]["accuracy"] == rows["fp32+kvzip:0.5"]["accuracy"]
+    assert ref["full"]["accuracy"] == rows["fp32"]["accuracy"] == res["retrieval"]["full"]["accuracy"]
+    for key in ("peak_kv_bytes", "context_kv_bytes"):
+        assert ref["variants"]["fp32 kvzip 0.5"][key] == rows["fp32+kvzip:0.5"][key]
+    assert rows["fp32+kvzip:0.25"]["kv_fraction"] < rows["fp32+kvzip:0.5"]["kv_fraction"] < 1.0 == rows["fp32"]["kv_fraction"]
+    for name in ("frontier", "retrieval_frontier", "retrieval_heatmap"):
+        Image.open(tmp_path / "out" / "plots" / f"{name}.png").verify()
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "Retrieval accuracy by task and budget" in page and rows["fp32+kvzip:0.5"]["command"] in html.unescape(page)
