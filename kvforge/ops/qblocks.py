@@ -6,14 +6,16 @@ K-quants, ops/kquants.py), exactly as in the GGUF file (an fp16 scale d, for the
 the codes). A weight is d * (code - offset) (+ m); for the K-quants d and m are per lane of 4 weights (sub-block
 scales). `dequantize` is the exact torch reference (gguf's order of fp32 operations, so bit-identical).
 
-`kvforge::qblock_linear(x, blocks, qtype, n, bias)`, for the few rows of a decode step (csrc/qblock_matmul.cpp,
-llama.cpp's vec_dot_q4_1_q8_1 scheme): each 32-column block of x is rounded to int8 with its own scale (ops/int8.py's
-quantize_blocks, as llama.cpp's Q8_0/Q8_1 activations); per 64-column chunk (two weight blocks) 16 lanes of exact
-integer sums over 4 columns of code x activation (VNNI vpdpbusd, the code's offset undone by a per-lane
-correction), each lane times (weight block scale * activation block scale) and added into an fp32 lane, chunk
-after chunk; for `_1` types each lane also adds m * (activation block scale * the lane's integer sum of x); the 16
-lanes summed as ops/int8.py's lane_sum. `qblock_linear_reference` repeats those integers and fp32 operations in the
-same order, so the two agree bit for bit.
+`kvforge::qblock_linear(x, blocks, qtype, n, bias)`, for the rows of decode steps up to COMPILED_ROWS
+(csrc/qblock_matmul.cpp, csrc/qblock_lanes.h; llama.cpp's vec_dot_q4_1_q8_1 scheme): each 32-column block of x is
+rounded to int8 with its own scale (ops/int8.py's quantize_blocks, as llama.cpp's Q8_0/Q8_1 activations); 16 lanes,
+each one whole weight block (32 values; Q6_K: a 16-value sub-block), get an exact integer dot product of code x
+activation per block (VNNI vpdpbusd over the block's values, the code's offset undone by a -offset * sum(x) start),
+times (weight block scale * activation block scale), added into an fp32 lane, group of 16 blocks after group; for
+the `_1` types and Q4_K / Q5_K each lane also adds m * (activation block scale * the block's integer sum of x); the
+16 lanes summed as ops/int8.py's lane_sum. Lanes past K are zeros. Each weight row is widened once per call and
+dotted with every row of x. `qblock_linear_reference` repeats those integers and fp32 operations in the same
+order, so the two agree bit for bit.
 
 `kvforge::qblock_panel_linear(x, blocks, qtype, n, bias)`, for more rows: the weights dequantized per panel triple
 (48 output rows) into an L2-resident fp32 buffer and multiplied by panel_matmul.cpp's tiles, fp32 activations; its
@@ -29,10 +31,10 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from kvforge.ops import kquants
-from kvforge.ops.int8 import BLOCK, CHUNK, LANES, lane_sum, quantize_blocks
+from kvforge.ops.int8 import BLOCK, LANES, lane_sum, quantize_blocks
 
 LIB = torch.library.Library("kvforge", "FRAGMENT")
-COMPILED_ROWS = 16  # up to this many rows qblock_linear (integer dot products); more: qblock_panel_linear
+COMPILED_ROWS = 32  # up to this many rows qblock_linear (integer dot products); more: qblock_panel_linear
 
 
 @dataclass(frozen=True)
@@ -139,29 +141,36 @@ def rows_of(blocks: torch.Tensor, qtype: Q | int, index: torch.Tensor) -> torch.
     return dequantize(blocks[index.reshape(-1)], qtype).view(*index.shape, -1)
 
 
+def lane_width(qtype: Q | int) -> int:
+    """Values per lane of the few-row kernel: one 32-value block, or one 16-value Q6_K sub-block."""
+    return 16 if Q(qtype) == Q.Q6_K else BLOCK
+
+
 def qblock_linear_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
     """The operator's definition (see the module docstring): x [M, K] fp32, blocks [n, K / values * block_bytes]."""
     t = block_type(qtype)
     rows, k = x.shape
-    xq, dx = quantize_blocks(x)  # [M, K'] integers as fp32 (K' = K rounded up to 64), [M, K' / 32]
-    width = xq.shape[1]
-    chunks = width // CHUNK
+    width = lane_width(qtype)
+    padded = -(-k // (LANES * width)) * LANES * width  # whole groups of 16 lanes, zeros past K
+    lanes = padded // width
+    xq, dx = quantize_blocks(x)  # [M, K'] integers as fp32, [M, K' / 32]
+    xq = F.pad(xq[:, :k], (0, padded - k)).double().view(rows, lanes, width)
+    lane_dx = F.pad(dx[:, :k // BLOCK], (0, (padded - k) // BLOCK)).repeat_interleave(BLOCK // width, dim=1)
     flat = blocks.reshape(n * (k // t.values), t.block_bytes)
-    w = F.pad(codes(flat, qtype).view(n, k), (0, width - k)).double().view(n, chunks, LANES, 4)
-    d, m = lane_scales(flat, qtype)
-    dots = torch.einsum("mclj,nclj->mncl", xq.double().view(rows, chunks, LANES, 4), w).float()
-    lane_d = F.pad(d.reshape(n, -1), (0, (width - k) // 4)).view(1, n, chunks, LANES)
-    lane_dx = dx.repeat_interleave(BLOCK // 4, dim=1).view(rows, 1, chunks, LANES)
-    scale = lane_d * lane_dx
+    w = F.pad(codes(flat, qtype).view(n, k), (0, padded - k)).double().view(n, lanes, width)
+    dots = torch.einsum("mlj,nlj->mnl", xq, w).float()  # exact integer block dot products
+    d, m = lane_scales(flat, qtype)  # per 4 weights
+    lane_d = F.pad(d.reshape(n, -1)[:, ::width // 4], (0, lanes - k // width))
+    scale = lane_d[None] * lane_dx[:, None]  # [M, n, lanes]
     if m is not None:
-        lane_m = F.pad(m.reshape(n, -1), (0, (width - k) // 4)).view(1, n, chunks, LANES)
-        lane_sx = lane_dx * xq.view(rows, 1, chunks, LANES, 4).sum(-1)  # activation scale * lane's sum of x codes
+        lane_m = F.pad(m.reshape(n, -1)[:, ::width // 4], (0, lanes - k // width))[None]
+        lane_sx = (lane_dx * xq.sum(-1).float())[:, None]  # activation scale * the lane's integer sum of x
     acc = torch.zeros(rows, n, LANES)
-    for c in range(chunks):
-        acc = acc + dots[:, :, c] * scale[:, :, c]
+    for g in range(0, lanes, LANES):
+        acc = acc + dots[:, :, g:g + LANES] * scale[:, :, g:g + LANES]
         if m is not None:
-            acc = acc + lane_m[:, :, c] * lane_sx[:, :, c]
+            acc = acc + lane_m[:, :, g:g + LANES] * lane_sx[:, :, g:g + LANES]
     out = lane_sum(acc)
     return out if bias is None else out + bias
 

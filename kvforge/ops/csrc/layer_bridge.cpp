@@ -168,7 +168,7 @@ void row_share(const Linear& lin, int64_t rows, int tid, int nt, int64_t* r0, in
 
 BlockRows quantized(const Linear& lin, const float* x, int64_t M) {
 #if KVFORGE_INT8_VNNI
-  if (lin.blocks) return quantize_block_rows(x, M, lin.K);
+  if (lin.blocks) return quantize_block_rows(x, M, lin.K, lin.qtype);
   if (lin.q) return {quantize_rows(x, M, lin.K), {}};
   return {};
 #else

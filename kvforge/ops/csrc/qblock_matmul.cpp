@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include "kquant_codes.h"
+#include "qblock_lanes.h"
 #endif
 
 namespace kvforge {
@@ -54,19 +55,10 @@ namespace {
 
 constexpr int64_t kBlock = 32, kChunk = 64, kLanes = 16;
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-constexpr int kRows = 4;  // weight rows per tile
+constexpr int kRows = 4;  // weight rows per tile of the few-row kernel
 
 template <int64_t T>
-struct Traits {
-  static constexpr bool is_k = T == kQ4_K || T == kQ5_K || T == kQ6_K;  // super-blocks of 256
-  static constexpr int64_t values = is_k ? 256 : 32;
-  static constexpr int64_t bytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24
-                                   : T == kQ4_K ? 144 : T == kQ5_K ? 176 : T == kQ6_K ? 210 : 34;
-  static constexpr bool has_min = T == kQ4_1 || T == kQ5_1 || T == kQ4_K || T == kQ5_K;
-  static constexpr int64_t codes_at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : T == kQ5_1 ? 8 : 2;
-  static constexpr int offset = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : T == kQ8_0 ? 128 : T == kQ6_K ? 32 : 0;
-  static constexpr int fix_shift = T == kQ4_0 ? 4 : T == kQ5_0 ? 3 : T == kQ6_K ? 2 : 0;  // -offset * sum(x)
-};
+using Traits = BlockTraits<T>;
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -116,48 +108,33 @@ inline float lane_sum(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-// Weight rows [n, n + R) against rows [m0, m0 + MR) of x.
-constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the loads the weight rows are prefetched (into L2)
-
+// Weight rows [n, n + R) (their lane groups in `w`, [groups][R]) against rows [m0, m0 + MR) of x: per group and
+// lane an exact int32 block dot product (from -offset * the lane's sum of x), to fp32, times (weight block scale *
+// x block scale), added into an fp32 lane (for the `_1` types and Q4_K / Q5_K, then m * x scale * the lane's sum of
+// x), with explicit rounding so nothing is fused into an FMA; the lanes summed in a fixed tree.
 template <int64_t T, int R, int MR>
-inline void tile(const BlockRows& xr, const uint8_t* w, float* y, int64_t stride, int64_t K, int64_t n, int64_t m0) {
-  using Tr = Traits<T>;
-  const QuantizedRows& xq = xr.xq;
-  const int64_t blocks = K / kBlock, row_bytes = K / Tr::values * Tr::bytes, width = xq.chunks * kChunk;
-  const int64_t lanes = xq.chunks * kLanes;
+inline void tile(const BlockRows& xr, const LaneGroup* w, float* y, int64_t stride, int64_t n, int64_t m0) {
+  constexpr int S = BlockTraits<T>::steps;
+  constexpr bool has_min = BlockTraits<T>::has_min;
   __m512 acc[R][MR];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < xq.chunks; ++c) {
-    const bool whole = 2 * c + 1 < blocks;
-    __m512i u[R];
-    __m512 d[R], mins[R];
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* row = w + (n + r) * row_bytes;
-      if constexpr (Tr::is_k) {
-        u[r] = kquant_codes<T>(row, c, d[r], mins[r]);
-        if (m0 == 0 && c % 4 == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(row + c / 4 * Tr::bytes + kPrefetchBytes), _MM_HINT_T1);
-      } else {
-        const uint8_t* a = row + 2 * c * Tr::bytes;
-        u[r] = codes<T>(a, whole ? a + Tr::bytes : nullptr, d[r], mins[r]);
-        if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(a + kPrefetchBytes), _MM_HINT_T1);
-      }
-    }
+  for (int64_t g = 0; g < xr.groups; ++g) {
     for (int m = 0; m < MR; ++m) {
-      const int64_t row = m0 + m;
-      const __m512i xv = _mm512_loadu_si512(xq.q.data() + row * width + c * kChunk);
-      __m512i fix = _mm512_setzero_si512();
-      if (Tr::offset) fix = _mm512_srai_epi32(_mm512_loadu_si512(xq.fix.data() + row * lanes + c * kLanes), Tr::fix_shift);
-      const __m512 dx = _mm512_loadu_ps(xq.d.data() + row * lanes + c * kLanes);
-      __m512 sx = _mm512_setzero_ps();
-      if (Tr::has_min) sx = _mm512_loadu_ps(xr.sx.data() + row * lanes + c * kLanes);
+      const int64_t lane = ((m0 + m) * xr.groups + g) * kLanes;
+      const int8_t* xg = xr.q.data() + lane * S * 4;
+      __m512i xs[S];
+      for (int s = 0; s < S; ++s) xs[s] = _mm512_loadu_si512(xg + s * 64);
+      const __m512i fix = _mm512_loadu_si512(xr.fix.data() + lane);
+      const __m512 dx = _mm512_loadu_ps(xr.d.data() + lane);
+      const __m512 sx = has_min ? _mm512_loadu_ps(xr.sx.data() + lane) : _mm512_setzero_ps();
       for (int r = 0; r < R; ++r) {
-        const __m512 dots = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(fix, u[r], xv));
-        const __m512 scale = _mm512_mul_round_ps(d[r], dx, kRound);
-        acc[r][m] = _mm512_add_round_ps(acc[r][m], _mm512_mul_round_ps(dots, scale, kRound), kRound);
-        if (Tr::has_min)
-          acc[r][m] = _mm512_add_round_ps(acc[r][m], _mm512_mul_round_ps(mins[r], sx, kRound), kRound);
+        const LaneGroup& wg = w[g * R + r];
+        __m512i dot = fix;
+        for (int s = 0; s < S; ++s) dot = _mm512_dpbusd_epi32(dot, wg.steps[s], xs[s]);
+        const __m512 scale = _mm512_mul_round_ps(wg.d, dx, kRound);
+        acc[r][m] = _mm512_add_round_ps(acc[r][m], _mm512_mul_round_ps(_mm512_cvtepi32_ps(dot), scale, kRound), kRound);
+        if (has_min) acc[r][m] = _mm512_add_round_ps(acc[r][m], _mm512_mul_round_ps(wg.m, sx, kRound), kRound);
       }
     }
   }
@@ -165,24 +142,33 @@ inline void tile(const BlockRows& xr, const uint8_t* w, float* y, int64_t stride
     for (int m = 0; m < MR; ++m) y[(m0 + m) * stride + n + r] = lane_sum(acc[r][m]);
 }
 
+// Weight rows [n, n + R) against every row of x: their lane groups read once into `w`, then every tile of x rows.
 template <int64_t T, int R>
-void rows_of(const BlockRows& xr, const uint8_t* w, float* y, int64_t stride, int64_t M, int64_t K, int64_t n) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    switch (std::min<int64_t>(4, M - m0)) {
-      case 1: tile<T, R, 1>(xr, w, y, stride, K, n, m0); break;
-      case 2: tile<T, R, 2>(xr, w, y, stride, K, n, m0); break;
-      case 3: tile<T, R, 3>(xr, w, y, stride, K, n, m0); break;
-      default: tile<T, R, 4>(xr, w, y, stride, K, n, m0); break;
-    }
+void rows_of(const BlockRows& xr, const uint8_t* blocks, LaneGroup* w, float* y, int64_t stride, int64_t M, int64_t K,
+             int64_t n) {
+  const int64_t row_bytes = K / BlockTraits<T>::values * BlockTraits<T>::bytes;
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* row = blocks + (n + r) * row_bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(row + R * row_bytes), _MM_HINT_T0);
+    for (int64_t g = 0; g < xr.groups; ++g) lane_group<T>(row, K, g, w[g * R + r]);
+  }
+  int64_t m0 = 0;
+  for (; m0 + 4 <= M; m0 += 4) tile<T, R, 4>(xr, w, y, stride, n, m0);
+  switch (M - m0) {
+    case 1: tile<T, R, 1>(xr, w, y, stride, n, m0); break;
+    case 2: tile<T, R, 2>(xr, w, y, stride, n, m0); break;
+    case 3: tile<T, R, 3>(xr, w, y, stride, n, m0); break;
+    default: break;
   }
 }
 
 template <int64_t T>
 void rows_range(const BlockRows& xr, const uint8_t* w, float* y, int64_t stride, int64_t M, int64_t K, int64_t n0,
                 int64_t n1) {
+  std::vector<LaneGroup> groups(xr.groups * kRows);
   int64_t n = n0;
-  for (; n + kRows <= n1; n += kRows) rows_of<T, kRows>(xr, w, y, stride, M, K, n);
-  for (; n < n1; ++n) rows_of<T, 1>(xr, w, y, stride, M, K, n);
+  for (; n + kRows <= n1; n += kRows) rows_of<T, kRows>(xr, w, groups.data(), y, stride, M, K, n);
+  for (; n < n1; ++n) rows_of<T, 1>(xr, w, groups.data(), y, stride, M, K, n);
 }
 
 // Row n of the weight dequantized into out[0..K): d * (code - offset) (+ m), as ops/qblocks.py's dequantize.
@@ -260,7 +246,7 @@ at::Tensor qblock_linear_cpu(const at::Tensor& x_in, const at::Tensor& blocks_in
   check(x_in, blocks_in, qtype, n, "qblock_linear");
   const at::Tensor x = x_in.contiguous(), blocks = blocks_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  const BlockRows xr = quantize_block_rows(x.data_ptr<float>(), M, K);
+  const BlockRows xr = quantize_block_rows(x.data_ptr<float>(), M, K, qtype);
   at::Tensor y = at::empty({M, n}, x.options());
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
@@ -311,11 +297,32 @@ at::Tensor qblock_panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& blo
 
 }  // namespace
 
-BlockRows quantize_block_rows(const float* x, int64_t M, int64_t K) {
-  BlockRows out{quantize_rows(x, M, K), {}};
-  out.sx.resize(out.xq.d.size());
-  for (size_t l = 0; l < out.sx.size(); ++l)
-    out.sx[l] = out.xq.d[l] * static_cast<float>(out.xq.fix[l] / -128);  // the lane's block scale * sum of x
+BlockRows quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t qtype) {
+  BlockRows out{quantize_rows(x, M, K)};
+  const QuantizedRows& xq = out.xq;
+  const int64_t width = lane_values(qtype), per_group = kLanes * width, chunk_lanes = xq.chunks * kLanes;
+  const int offset = qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : qtype == kQ6_K ? 32 : 0;
+  out.groups = (K + per_group - 1) / per_group;
+  out.steps = width / 4;
+  out.q.assign(M * out.groups * per_group, 0);
+  out.fix.assign(M * out.groups * kLanes, 0);
+  out.d.assign(out.fix.size(), 0.0f);
+  out.sx.assign(out.fix.size(), 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < out.groups; ++g)
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t v0 = g * per_group + l * width, lane = (m * out.groups + g) * kLanes + l;
+        if (v0 >= K) break;
+        const int8_t* src = xq.q.data() + m * xq.chunks * kChunk + v0;
+        int32_t sum = 0;
+        for (int64_t s = 0; s < out.steps; ++s) {
+          std::memcpy(out.q.data() + (m * out.groups + g) * per_group + s * 64 + 4 * l, src + 4 * s, 4);
+          for (int j = 0; j < 4; ++j) sum += src[4 * s + j];
+        }
+        out.d[lane] = xq.d[m * chunk_lanes + v0 / 4];
+        out.fix[lane] = -offset * sum;
+        out.sx[lane] = out.d[lane] * static_cast<float>(sum);
+      }
   return out;
 }
 

@@ -17,14 +17,22 @@ bool is_qblock_type(int64_t qtype);
 int64_t qblock_bytes(int64_t qtype);   // bytes of one block (32 weights; a K-quant super-block: 256)
 int64_t qblock_values(int64_t qtype);  // weights per block: 32 or 256
 
-// Rows of x in the kernels' form: int8_matmul.h's, plus per lane its block scale * its integer sum of x.
+// Values per lane of the few-row kernel (qblock_lanes.h): a 32-value block; Q6_K: a 16-value sub-block.
+constexpr int64_t lane_values(int64_t qtype) { return qtype == kQ6_K ? 16 : 32; }
+
+// Rows of x in the kernels' form: int8_matmul.h's (the int8 weights' kernel takes xq), and for block weights the
+// same int8 values in lane groups (qblock_lanes.h: per group of 16 lanes, per step of 4 values, each lane's 4 bytes),
+// with per lane the block's scale d, -offset * its integer sum (the code offset undone), d * that sum (for m).
 struct BlockRows {
   QuantizedRows xq;
-  std::vector<float> sx;  // [M, chunks * 16], for the `_1` types' offsets m
+  int64_t groups = 0, steps = 0;
+  std::vector<int8_t> q;     // [M, groups, steps, 16, 4], zeros past K
+  std::vector<int32_t> fix;  // [M, groups, 16]
+  std::vector<float> d, sx;  // [M, groups, 16]
 };
 
 #if KVFORGE_INT8_VNNI
-BlockRows quantize_block_rows(const float* x, int64_t M, int64_t K);
+BlockRows quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t qtype);
 // y[m * stride + n] for weight rows n in [n0, n1) of blocks (row-major block bytes of a [N, K] weight).
 void qblock_rows(const BlockRows& xr, const uint8_t* blocks, int64_t qtype, float* y, int64_t stride, int64_t M,
                  int64_t K, int64_t n0, int64_t n1);
