@@ -56,9 +56,9 @@ class ShortConv(nn.Module):
         bx, out = b * x, torch.empty_like(x)
         plan = step_plan(meta, h.device)
         for batch in plan.batches:  # one conv per padded batch of short sequences (models/state_batch.py)
-            conv, after, at_cuts = causal_conv_padded(padded(bx, batch), windows[batch.slots], self.conv.weight,
+            conv, after, at_cuts = causal_conv_padded(padded(bx, batch), batch.gather(windows), self.conv.weight,
                                                       self.conv.bias, batch)
-            windows[batch.slots] = after
+            batch.scatter(windows, after)
             out.index_copy_(0, batch.flat_rows, conv.reshape(-1, conv.shape[-1])[batch.valid.reshape(-1)])
             for j, (i, cut) in enumerate(batch.cut_ids):
                 kv.state.capture(i, cut, self.layer_idx, {"conv": at_cuts[j].clone()})

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.models.mamba2_padded import ssd_scan_padded
+from kvforge.models.mamba2_padded import recurrent_step, ssd_scan_padded
 from kvforge.models.state_batch import PaddedBatch, causal_conv_padded, padded, step_plan
 from kvforge.ops import layers as ops_layers
 
@@ -144,23 +144,26 @@ class Mamba2Mixer(nn.Module):
         """A padded batch of the step's short sequences (models/state_batch.py): their conv windows and SSM states
         gathered by slot, one conv and one scan, the states scattered back and each cut's copy captured."""
         size, length = batch.valid.shape
-        conv, windows, window_cuts = causal_conv_padded(padded(xbc, batch), states["conv"][batch.slots],
+        conv, windows, window_cuts = causal_conv_padded(padded(xbc, batch), batch.gather(states["conv"]),
                                                         self.conv1d.weight, self.conv1d.bias, batch)
-        states["conv"][batch.slots] = windows
+        batch.scatter(states["conv"], windows)
         x, b, c = F.silu(conv).split([self.intermediate, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
         x = x.reshape(size, length, self.n_heads, self.head_dim)
         rep = self.n_heads // self.n_groups
         b, c = (v.reshape(size, length, self.n_groups, self.d_state) for v in (b, c))
         b, c = ((v.expand(size, length, rep, self.d_state) if self.n_groups == 1 else v.repeat_interleave(rep, dim=2))
                 for v in (b, c))
-        ssm = states["ssm"][batch.slots]
-        y, ssm_cuts = ssd_scan_padded(x, padded(dt, batch), a, b, c, ssm,
-                                      batch.cut_batch, batch.cut_lens)
-        states["ssm"][batch.slots] = ssm
+        ssm = batch.gather(states["ssm"])
+        if length == 1:  # decodes: the recurrence, a cut (at 1) a copy of the state after it
+            y = recurrent_step(x, padded(dt, batch), a, b, c, ssm)
+            ssm_cuts = [ssm[z].clone() for z, _ in batch.cut_at]
+        else:
+            y, ssm_cuts = ssd_scan_padded(x, padded(dt, batch), a, b, c, ssm, batch.lens_list, batch.cut_at)
+        batch.scatter(states["ssm"], ssm)
         y = (y + self.D[:, None] * x).reshape(size * length, self.intermediate)[batch.valid.reshape(-1)]
         out.index_copy_(0, batch.flat_rows, y.to(out.dtype))
-        for j, (i, cut) in enumerate(batch.cut_ids):  # copies: a checkpoint must not keep the whole batch alive
-            kv.state.capture(i, cut, self.layer_idx, {"conv": window_cuts[j].clone(), "ssm": ssm_cuts[j].clone()})
+        for j, (i, cut) in enumerate(batch.cut_ids):
+            kv.state.capture(i, cut, self.layer_idx, {"conv": window_cuts[j].clone(), "ssm": ssm_cuts[j]})
 
     def forward(self, h: torch.Tensor, meta, kv) -> torch.Tensor:
         """h [T, hidden] of the step's sequences back to back (meta.query_start_loc / query_lens), each reading and

@@ -1,7 +1,7 @@
 """One step's recurrent sequences as padded batches, so a recurrent layer runs one update per batch, not per sequence.
 
 The step's sequences with one new token (decodes) form one batch, those with 2..SHORT_MAX new tokens (short
-prefills, speculative verify rows) another, padded at the end to the batch's longest; longer ones stay one by one
+prefill chunks, speculative verify rows) another, padded at the end to the batch's longest; longer ones stay one by one
 (their per-sequence cost is spread over many tokens). Padding sits after a sequence's last token, so with its
 inputs masked out (dt = 0 in a scan) it leaves no trace in the state; the conv window kept is the one after the last
 real token. The plan is built once per step (the same metadata serves every layer) and cached on the metadata.
@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-SHORT_MAX = 64  # the Mamba-2 scan's segment: a padded batch is one segment long
+# Longer sequences than this run one by one: at Granite-4.0-H widths a prefill's cost is its projections, and the padded
+# scan was no faster than the per-sequence one from ~24 tokens on (16 x 40 tokens: 67 vs 57 ms per mixer layer).
+SHORT_MAX = 16  # <= the Mamba-2 scan's segment (64): a padded batch is one segment long
 
 
 @dataclass
@@ -27,6 +29,18 @@ class PaddedBatch:
     cut_batch: torch.Tensor  # [C] batch index of each checkpoint cut
     cut_lens: torch.Tensor  # [C] tokens into its sequence
     cut_ids: list[tuple[int, int]]  # (step sequence index, cut) of each, for the state pool's captures
+    cut_at: list[tuple[int, int]]  # (batch index, cut) of each
+    lens_list: list[int]
+    slot_run: slice | None  # the slots as one ascending run: the batch's states are a view of the pool's
+
+    def gather(self, pool_tensor: torch.Tensor) -> torch.Tensor:
+        """The batch's rows of a [num_slots, ...] state tensor (a view when the slots are one run)."""
+        return pool_tensor[self.slot_run] if self.slot_run is not None else pool_tensor.index_select(0, self.slots)
+
+    def scatter(self, pool_tensor: torch.Tensor, rows: torch.Tensor) -> None:
+        """Put the batch's rows back (nothing to do for the view `gather` gave)."""
+        if self.slot_run is None or rows.data_ptr() != pool_tensor[self.slot_run].data_ptr():
+            pool_tensor.index_copy_(0, self.slots, rows)
 
 
 @dataclass
@@ -36,6 +50,9 @@ class StepPlan:
 
 
 def _batch(meta, seqs: list[int], device: torch.device) -> PaddedBatch:
+    seqs = sorted(seqs, key=lambda i: meta.state_slots[i])  # ascending slots: maybe one run, a view of the pool
+    slots = [meta.state_slots[i] for i in seqs]
+    run = slots == list(range(slots[0], slots[0] + len(slots)))
     lens = [meta.query_lens[i] for i in seqs]
     length, total = max(lens), sum(meta.query_lens)
     rows = torch.full((len(seqs), length), total, dtype=torch.long)
@@ -45,11 +62,13 @@ def _batch(meta, seqs: list[int], device: torch.device) -> PaddedBatch:
     cut_ids = [(i, cut) for i in seqs for cut in (meta.state_cuts[i] if meta.state_cuts else [])]
     position = {i: b for b, i in enumerate(seqs)}
     return PaddedBatch(
-        seqs=seqs, slots=torch.tensor([meta.state_slots[i] for i in seqs], dtype=torch.long, device=device),
+        seqs=seqs, slots=torch.tensor(slots, dtype=torch.long, device=device),
         lens=torch.tensor(lens, dtype=torch.long, device=device), length=length, rows=rows.to(device),
         valid=valid.to(device), flat_rows=rows[valid].to(device),
         cut_batch=torch.tensor([position[i] for i, _ in cut_ids], dtype=torch.long, device=device),
-        cut_lens=torch.tensor([cut for _, cut in cut_ids], dtype=torch.long, device=device), cut_ids=cut_ids)
+        cut_lens=torch.tensor([cut for _, cut in cut_ids], dtype=torch.long, device=device), cut_ids=cut_ids,
+        cut_at=[(position[i], cut) for i, cut in cut_ids], lens_list=lens,
+        slot_run=slice(slots[0], slots[0] + len(slots)) if run else None)
 
 
 def step_plan(meta, device: torch.device) -> StepPlan:

@@ -16,10 +16,10 @@ from kvforge.models.mamba2_mixer import Mamba2Mixer, causal_conv, ssd_scan
 
 HIDDEN, K = 32, 4
 # decode, short prefill with a cut mid-way and at its end, decode with its one-row cut, speculative verify rows,
-# a prefill longer than one padded batch takes, a one-token prompt start
-LENS = [1, 37, 1, 5, 90, 2]
-CUTS = [[], [16, 37], [1], [1, 2, 3, 4], [16, 32, 64, 80], []]
-SLOTS = [4, 0, 6, 2, 1, 3]
+# a prefill longer than a padded batch takes, a two-token prompt start
+LENS = [1, 13, 1, 5, 90, 2]
+CUTS = [[], [8, 13], [1], [1, 2, 3, 4], [16, 32, 64, 80], []]
+SLOTS = [4, 2, 6, 1, 0, 3]  # the short batch's slots one run (a view of the pool), the decodes' not
 
 
 def _meta(lens, slots, cuts) -> AttentionMetadata:
