@@ -16,6 +16,7 @@ from kvforge.kv.pool import KVPool
 from kvforge.models.config import ModelConfig
 from kvforge.models.layers import RMSNorm, RotaryEmbedding
 from kvforge.models.mamba2_mixer import causal_conv
+from kvforge.models.state_batch import causal_conv_padded, padded, step_plan
 from kvforge.ops.layers import rope
 
 
@@ -53,7 +54,16 @@ class ShortConv(nn.Module):
         windows = kv.state.layer(self.layer_idx)["conv"]
         b, c, x = self.in_proj(h).chunk(3, dim=-1)
         bx, out = b * x, torch.empty_like(x)
-        for i, (start, n, slot) in enumerate(zip(meta.query_start_loc, meta.query_lens, meta.state_slots)):
+        plan = step_plan(meta, h.device)
+        for batch in plan.batches:  # one conv per padded batch of short sequences (models/state_batch.py)
+            conv, after, at_cuts = causal_conv_padded(padded(bx, batch), batch.gather(windows), self.conv.weight,
+                                                      self.conv.bias, batch)
+            batch.scatter(windows, after)
+            out.index_copy_(0, batch.flat_rows, conv.reshape(-1, conv.shape[-1])[batch.valid.reshape(-1)])
+            for j, (i, cut) in enumerate(batch.cut_ids):
+                kv.state.capture(i, cut, self.layer_idx, {"conv": at_cuts[j].clone()})
+        for i in plan.singles:
+            start, n, slot = meta.query_start_loc[i], meta.query_lens[i], meta.state_slots[i]
             cuts = meta.state_cuts[i] if meta.state_cuts else []
             out[start:start + n], saved = causal_conv(bx[start:start + n], windows[slot], self.conv.weight,
                                                       self.conv.bias, cuts)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.models.mamba2_padded import recurrent_step, ssd_scan_padded
+from kvforge.models.state_batch import PaddedBatch, causal_conv_padded, padded, step_plan
 from kvforge.ops import layers as ops_layers
 
 SEGMENT = 64
@@ -137,6 +139,32 @@ class Mamba2Mixer(nn.Module):
         """[T, groups, N] -> [T, heads, N]: each group's B or C for its heads (one group: a broadcast view)."""
         return v.expand(v.shape[0], rep, v.shape[2]) if self.n_groups == 1 else v.repeat_interleave(rep, dim=1)
 
+    def _run_batch(self, batch: PaddedBatch, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
+                   states: dict[str, torch.Tensor], out: torch.Tensor, kv) -> None:
+        """A padded batch of the step's short sequences (models/state_batch.py): their conv windows and SSM states
+        gathered by slot, one conv and one scan, the states scattered back and each cut's copy captured."""
+        size, length = batch.valid.shape
+        conv, windows, window_cuts = causal_conv_padded(padded(xbc, batch), batch.gather(states["conv"]),
+                                                        self.conv1d.weight, self.conv1d.bias, batch)
+        batch.scatter(states["conv"], windows)
+        x, b, c = F.silu(conv).split([self.intermediate, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
+        x = x.reshape(size, length, self.n_heads, self.head_dim)
+        rep = self.n_heads // self.n_groups
+        b, c = (v.reshape(size, length, self.n_groups, self.d_state) for v in (b, c))
+        b, c = ((v.expand(size, length, rep, self.d_state) if self.n_groups == 1 else v.repeat_interleave(rep, dim=2))
+                for v in (b, c))
+        ssm = batch.gather(states["ssm"])
+        if length == 1:  # decodes: the recurrence, a cut (at 1) a copy of the state after it
+            y = recurrent_step(x, padded(dt, batch), a, b, c, ssm)
+            ssm_cuts = [ssm[z].clone() for z, _ in batch.cut_at]
+        else:
+            y, ssm_cuts = ssd_scan_padded(x, padded(dt, batch), a, b, c, ssm, batch.lens_list, batch.cut_at)
+        batch.scatter(states["ssm"], ssm)
+        y = (y + self.D[:, None] * x).reshape(size * length, self.intermediate)[batch.valid.reshape(-1)]
+        out.index_copy_(0, batch.flat_rows, y.to(out.dtype))
+        for j, (i, cut) in enumerate(batch.cut_ids):
+            kv.state.capture(i, cut, self.layer_idx, {"conv": window_cuts[j].clone(), "ssm": ssm_cuts[j]})
+
     def forward(self, h: torch.Tensor, meta, kv) -> torch.Tensor:
         """h [T, hidden] of the step's sequences back to back (meta.query_start_loc / query_lens), each reading and
         updating its slot meta.state_slots[i] of this layer's state in kv.state."""
@@ -146,7 +174,11 @@ class Mamba2Mixer(nn.Module):
         a = -torch.exp(self.A_log.float())
         rep = self.n_heads // self.n_groups
         out = torch.empty(h.shape[0], self.intermediate, dtype=h.dtype, device=h.device)
-        for i, (start, n, slot) in enumerate(zip(meta.query_start_loc, meta.query_lens, meta.state_slots)):
+        plan = step_plan(meta, h.device)
+        for batch in plan.batches:
+            self._run_batch(batch, xbc, dt, a, states, out, kv)
+        for i in plan.singles:
+            start, n, slot = meta.query_start_loc[i], meta.query_lens[i], meta.state_slots[i]
             rows, cuts = slice(start, start + n), meta.state_cuts[i] if meta.state_cuts else []
             conv, windows = causal_conv(xbc[rows], states["conv"][slot], self.conv1d.weight, self.conv1d.bias, cuts)
             x, b, c = F.silu(conv).split([self.intermediate, self.n_groups * self.d_state, self.n_groups * self.d_state], -1)
