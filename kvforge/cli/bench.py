@@ -56,7 +56,7 @@ def register(sub) -> None:
     x.add_argument("--kv-tiers", default=None, metavar="TIER",
                    help="also run the shared-prompt workload in two processes through this tier, the second reusing "
                         "what the first stored: 'disk' (a fresh directory), 'redis' (a private redis-server), "
-                        "disk:PATH:SIZE or redis://HOST:PORT")
+                        "disk:PATH:SIZE or redis://HOST:PORT (default: none, one process)")
     output_options(x, model=True)
     x.set_defaults(func=run_prefix)
 

@@ -107,7 +107,5 @@ def test_state_bytes_are_the_formula(tiny):
 
 def test_what_recurrent_layers_do_not_support_is_refused(tiny):
     directory, _ = tiny("mamba2")
-    with pytest.raises(ConfigError, match="kv_tiers"):
-        _engine(directory, kv_tiers=["host:64MiB"])
     with pytest.raises(ConfigError, match="recurrent state of max_num_seqs"):
         LLMEngine(EngineConfig(kv_cache_memory=10_000, max_num_seqs=4), load_model(str(directory)))
