@@ -122,6 +122,7 @@ def test_a_checkpoint_missing_from_the_tier_resumes_from_a_shallower_one(model, 
     want = _plain(loaded)
     first = _engine(loaded, kv_tiers=[f"disk:{tmp_path}:64MiB"])
     _run(first, PROMPTS[0])
+    first.tiers.flush()  # the disk writes are queued on the tier worker: wait for them before removing files
     states = first.kv.connector.states
     for n in (48, 64):
         os.remove(tmp_path / (states.key(BASE[:n], None).name + SUFFIX))
