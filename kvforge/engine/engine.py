@@ -20,7 +20,7 @@ from kvforge.engine.scheduler import ScheduledBatch, Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.speculative.build import build_speculator, check_speculation, load_draft_model
 from kvforge.engine.stop import check_stop
-from kvforge.engine.weights_mode import weights_for
+from kvforge.engine.weights_mode import engine_device, weights_for
 from kvforge.errors import InvalidRequestError, PromptTooLongError
 from kvforge.kv.formats import format_for_model
 from kvforge.kv.groups import build_groups, state_bytes_per_sequence
@@ -42,7 +42,7 @@ log = logging.getLogger("kvforge.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        self.device = config.resolve_device()
+        self.device = engine_device(config, loaded)
         keep_freed_memory()
         if config.seed is not None:
             torch.manual_seed(config.seed)

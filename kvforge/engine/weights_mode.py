@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.config import EngineConfig
+from kvforge.errors import ConfigError
 from kvforge.models.int8_weights import int8_loaded
 from kvforge.models.loader import LoadedModel, load_model
 from kvforge.models.quant_weights import holds_blocks
@@ -22,3 +23,28 @@ def weights_for(config: EngineConfig, loaded: LoadedModel | None, device: torch.
     elif config.weights in MODES:
         loaded = requantized(loaded, config.weights)  # its own module tree with Q8_0 / Q4_0 block weights
     return loaded, mode
+
+
+def engine_device(config: EngineConfig, loaded: LoadedModel | None) -> torch.device:
+    """Where the engine computes: config.device; unset, where a model passed in already lives (weights are never
+    moved behind the caller's back), else cuda when present. A model on another device than the one asked for is
+    refused with the two ways out."""
+    if loaded is None or config.device is not None:
+        device = config.resolve_device()
+    else:
+        device = model_device(loaded.model)
+    if loaded is not None and not same_device(model_device(loaded.model), device):
+        raise ConfigError(f"the model's weights are on {model_device(loaded.model)} and the engine's device is {device}: "
+                          f"load the model there (load_model(path, device={str(device)!r})) or leave device unset")
+    return device
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    tensor = next(model.parameters(), None)
+    if tensor is None:
+        tensor = next(model.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
