@@ -92,3 +92,22 @@ def test_decode_runs_k_quants_through_the_bridge_with_the_per_op_tokens(gemma_pa
     assert _tokens(gemma_auto, "auto") == on and not qtypes
     fp32 = _tokens(load_model(gemma_path, weights="fp32"), "fp32")
     assert all(a[:4] == b[:4] for a, b in zip(on, fp32)), (on, fp32)
+
+
+def test_the_engine_repacks_the_q8_0_lm_head_into_lanes_with_the_same_logits_and_lookups(gemma_path):
+    from kvforge.models.weight_store import prepare_weights, resident_bytes
+    from kvforge.ops.q8_lanes import Q8_0_LANES
+
+    if not compiled_for(torch.zeros(1, 8)):
+        pytest.skip("no VNNI kernels on this machine")
+    model = load_model(gemma_path, weights="auto").model
+    head = blocks_of(model.lm_head.weight)
+    assert head.qtype == int(Q.Q8_0) and model.lm_head.weight is model.model.embed_tokens.weight
+    hidden = torch.randn(33, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([0, 7, 262_143, 1234])
+    before = [model.compute_logits(hidden[:n]) for n in (1, 8, 33)], model.model.embed_tokens(ids)
+    held = resident_bytes(model)
+    prepare_weights(model)
+    assert blocks_of(model.lm_head.weight).qtype == Q8_0_LANES and resident_bytes(model) == held
+    after = [model.compute_logits(hidden[:n]) for n in (1, 8, 33)], model.model.embed_tokens(ids)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and torch.equal(before[1], after[1])
