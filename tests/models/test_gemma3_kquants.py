@@ -111,3 +111,36 @@ def test_the_engine_repacks_the_q8_0_lm_head_into_lanes_with_the_same_logits_and
     assert blocks_of(model.lm_head.weight).qtype == Q8_0_LANES and resident_bytes(model) == held
     after = [model.compute_logits(hidden[:n]) for n in (1, 8, 33)], model.model.embed_tokens(ids)
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and torch.equal(before[1], after[1])
+
+
+def test_batched_decode_of_up_to_32_sequences_takes_the_bridge_with_the_per_op_tokens(gemma_auto, monkeypatch):
+    """GGUF block weights run the few-row integer kernels up to COMPILED_ROWS rows on both paths, so steps of 9-32
+    rows go through the bridge too, with the same tokens."""
+    from kvforge.models import bridged
+    from kvforge.models.gemma import GemmaForCausalLM
+    from kvforge.ops.layer_bridge import BRIDGE_ROWS
+    from kvforge.ops.qblocks import COMPILED_ROWS
+
+    if not compiled_for(torch.zeros(1, 8)):
+        pytest.skip("no VNNI kernels on this machine")
+    rows = []
+    real = bridged.layer_bridge
+
+    def spy(*args):
+        rows.append(args[1].shape[0])
+        return real(*args)
+
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]  # 12 sequences
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def tokens() -> list[list[int]]:
+        engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", weights="auto"), gemma_auto)
+        return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
+
+    monkeypatch.setattr(bridged, "layer_bridge", spy)
+    on = tokens()
+    assert BRIDGE_ROWS < max(rows) <= COMPILED_ROWS
+    assert bridged.bridged(gemma_auto.model, torch.zeros(COMPILED_ROWS + 1, 640)) is None  # more: the per-op path
+    monkeypatch.setattr(GemmaForCausalLM, "use_bridge", False)
+    rows.clear()
+    assert tokens() == on and not rows
