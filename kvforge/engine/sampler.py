@@ -9,6 +9,7 @@ import torch
 
 from kvforge.engine.grammar import mask_logits
 from kvforge.engine.sequence import Sequence
+from kvforge.ops.greedy import argmax_rows
 
 
 class SamplingError(RuntimeError):
@@ -19,7 +20,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[
     """One next token per row of logits [N, vocab] (fp32), and the rows that failed (their token is -1)."""
     logits = apply_penalties(logits, seqs)
     logits, refused = mask_logits(logits, seqs)  # structured output: each grammar's allowed tokens only
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = argmax_rows(logits).tolist()
     broken = set(unusable_rows(logits))
     failed: dict[int, SamplingError] = {}
     for row, seq in enumerate(seqs):

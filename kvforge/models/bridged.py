@@ -22,6 +22,7 @@ from kvforge.ops.int8 import compiled_for
 from kvforge.ops.layer_bridge import BRIDGE_ROWS, WIDE_ROWS, layer_bridge, serves
 from kvforge.ops.layers_reference import GATED
 from kvforge.ops.panels import PANEL, panels
+from kvforge.ops.qblocks import COMPILED_ROWS
 
 
 class LayerNorms(NamedTuple):
@@ -39,11 +40,12 @@ class BridgeWeights:
     pre: list[list[torch.Tensor]]  # per layer: [input norm, qkv weight, its int8 scale, qkv bias]
     post: list[list[torch.Tensor]]  # per layer: [o weight, scale, bias, pre-MLP norm, gate_up w, s, down w, s]
     final: list[torch.Tensor]  # [final norm]
-    int8: bool  # int8 or GGUF block weights (they need the compiled VNNI kernels, and stay at BRIDGE_ROWS rows)
+    int8: bool  # int8 or GGUF block weights (they need the compiled VNNI kernels; int8 stays at BRIDGE_ROWS rows)
     scale: float  # attention's softmax scale
     norms: list[list[torch.Tensor]] | None = None  # per layer: [post_attn, post_mlp, q, k] (empty: none), None: Llama's
     activation: str = "silu"  # of the gate, times up
     softcaps: list[float | None] | None = None  # per layer: attention soft-cap (Gemma 2)
+    blocks: bool = False  # every projection in GGUF blocks: the bridge serves up to COMPILED_ROWS rows, as per-op
     empty: list[torch.Tensor] | None = None  # [no norm, no norm]: family_norms' halves for the first and last calls
 
     def family_norms(self, layer: int | None, next_layer: int | None) -> list[torch.Tensor] | None:
@@ -108,6 +110,9 @@ def _gathered(model: nn.Module, activation: str) -> BridgeWeights:
                n.pre_mlp, *_parts(layer.mlp.gate_up_weight), *_parts(layer.mlp.down_proj.weight)]
               for n, layer in zip(norms, layers)],
         final=[model.model.norm.multiplier], int8=is_quantized(model) or holds_blocks(model), scale=layers[0].self_attn.scale,
+        blocks=not is_quantized(model) and all(blocks_of(w) is not None for layer in layers for w in (
+            layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_weight,
+            layer.mlp.down_proj.weight)),
         norms=extra if any(t.numel() for row in extra for t in row) else None, activation=activation,
         softcaps=[layer.self_attn.softcap for layer in layers], empty=[empty, empty])
 
@@ -127,10 +132,14 @@ def _wide_weights(model: nn.Module) -> BridgeWeights | None:
 
 
 def bridged(model: nn.Module, x: torch.Tensor) -> BridgeWeights | None:
-    """The model's bridge weights when this step (embeddings x) can run through the bridge, else None."""
+    """The model's bridge weights when this step (embeddings x) can run through the bridge, else None. GGUF block
+    weights take the few-row integer kernels up to COMPILED_ROWS rows, as the per-op path does (same floats)."""
     if not serves(x):
         return None
-    weights = _weights(model) if x.shape[0] <= BRIDGE_ROWS else _wide_weights(model)
+    rows = x.shape[0]
+    weights = _weights(model) if rows <= BRIDGE_ROWS else _wide_weights(model)
+    if weights is None and rows <= COMPILED_ROWS and _weights(model) is not None and _weights(model).blocks:
+        weights = _weights(model)
     return None if weights is None or (weights.int8 and not compiled_for(x)) else weights
 
 

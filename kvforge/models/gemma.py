@@ -24,6 +24,7 @@ from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import linear
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, unfilled_embedding
 from kvforge.models.llama import Attention
+from kvforge.models.quant_weights import block_data
 from kvforge.ops.huge_pages import move_to_huge_pages
 from kvforge.ops.layers import add_rms_norm_, gelu_tanh_mul, rms_norm
 
@@ -129,7 +130,7 @@ class GemmaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
-        move_to_huge_pages(self)  # a decode step streams every weight: ~1.6x the bandwidth of 4 KB pages
+        move_to_huge_pages(self, block_data(self))  # a decode step streams every weight: ~1.6x the bandwidth of 4 KB pages
         for module in self.modules():
             if isinstance(module, GemmaRMSNorm):
                 module.shift()

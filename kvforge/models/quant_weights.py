@@ -19,6 +19,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
+from kvforge.ops import q8_lanes
+from kvforge.ops.build import disabled, has_cpu_kernel
 from kvforge.ops.qblocks import BLOCK_TYPES, LOSSLESS_TO_Q8_0, dequantize, qblock_linear, rows_of, to_q8_0
 
 QBLOCKS = "_kvforge_qblocks"  # attribute of a released weight tensor: its QuantBlocks
@@ -145,3 +147,17 @@ def dequantized_state(module: nn.Module, state: dict, prefix: str, _metadata) ->
         qb = blocks_of(p)
         if qb is not None and name in state:
             state[name] = qb.dequantized()
+
+
+@torch.no_grad()
+def repack_head(model: nn.Module) -> None:
+    """A Q8_0 LM head (tied to the embedding or not) of a shape the lane layout takes, repacked into it
+    (ops/q8_lanes.py: same bytes; the few-row kernel reads it without widening, and a K = 512 G + 128 row's tail
+    costs a quarter), where the compiled kernels serve it. The embedding lookup and state dicts read it too."""
+    head = getattr(model, "lm_head", None)
+    qb = blocks_of(getattr(head, "weight", None))
+    if qb is None or not q8_lanes.packs(qb.qtype, tuple(qb.data.shape)) or qb.data.device.type != "cpu":
+        return
+    if disabled() or not has_cpu_kernel("kvforge::qblock_linear"):
+        return
+    setattr(head.weight, QBLOCKS, QuantBlocks(q8_lanes.Q8_0_LANES, q8_lanes.pack(qb.data)))

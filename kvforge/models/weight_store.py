@@ -13,7 +13,8 @@ Rules, applied when an engine is built (`prepare_weights`) and, for a model not 
   biases) stay as loaded.
 - GGUF blocks (models/quant_weights.py, `weights="auto"` on a GGUF file): each Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weight is
   held as its file's block bytes only (its kernels read them in place: no panels, no fp32 copy), fused projections
-  as one block tensor whose parts are views; other tensors as fp32.
+  as one block tensor whose parts are views; other tensors as fp32. A Q8_0 LM head is repacked into the few-row
+  kernel's lane groups (ops/q8_lanes.py: the same bytes, so `planned_bytes` counts it as stored).
 `resident_bytes` sums the storages a model really holds, each once; the engine reports it, and its free-memory
 sizing sees every copy, since all exist before the KV pool is sized.
 """
@@ -27,7 +28,7 @@ from torch import nn
 from kvforge.models.config import ModelConfig
 from kvforge.models.int8_weights import INT8, RELEASED, int8_panels, quantize_model, quantized_weights
 from kvforge.models.int8_weights import PANELS as INT8_PANELS
-from kvforge.models.quant_weights import adopt_block_modules, attach_blocks, blocks_of
+from kvforge.models.quant_weights import adopt_block_modules, attach_blocks, blocks_of, repack_head
 from kvforge.ops.packed_weights import ATTRIBUTE as ONEDNN
 from kvforge.ops.panels import ATTRIBUTE as PANELS
 from kvforge.ops.panels import NO_PANELS, panels
@@ -61,6 +62,7 @@ def prepare_weights(model: nn.Module) -> None:
             panels(w)
     for w in quantized_weights(model):
         int8_panels(w)
+    repack_head(model)
 
 
 def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:

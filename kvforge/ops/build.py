@@ -27,7 +27,8 @@ log = logging.getLogger("kvforge.ops")
 CSRC = Path(__file__).parent / "csrc"
 PACKAGE_BUILDS = Path(__file__).parent / "_built"
 SOURCES = ("paged_decode.cpp", "tiles.cpp", "packed_rows.cpp", "layers.cpp", "small_matmul.cpp", "panel_matmul.cpp",
-           "int8_matmul.cpp", "qblock_matmul.cpp", "layer_bridge.cpp", "stage_append.cpp", "uniform_encode.cpp")
+           "int8_matmul.cpp", "qblock_matmul.cpp", "layer_bridge.cpp", "stage_append.cpp", "uniform_encode.cpp",
+           "q8_lanes.cpp", "greedy.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 WAIT_S = 600.0
 

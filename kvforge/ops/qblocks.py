@@ -1,5 +1,5 @@
 """Linear layers on GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the K-quants Q4_K, Q5_K, Q6_K),
-kept as the file's block bytes.
+kept as the file's block bytes (a Q8_0 LM head repacked into the kernel's lane groups, same bytes: ops/q8_lanes.py).
 
 A weight [N, K] is held as uint8 [N, K / values * block_bytes]: each row its blocks of 32 weights (256 for the
 K-quants, ops/kquants.py), exactly as in the GGUF file (an fp16 scale d, for the `_1` types an fp16 offset m, then
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from kvforge.ops import kquants
+from kvforge.ops import kquants, q8_lanes
 from kvforge.ops.int8 import BLOCK, LANES, lane_sum, quantize_blocks
 
 LIB = torch.library.Library("kvforge", "FRAGMENT")
@@ -106,8 +106,14 @@ def lane_scales(blocks: torch.Tensor, qtype: Q | int) -> tuple[torch.Tensor, tor
     return d[:, None].expand(-1, per_lane), (None if m is None else m[:, None].expand(-1, per_lane))
 
 
+def natural(blocks: torch.Tensor, qtype: Q | int) -> tuple[torch.Tensor, int]:
+    """A weight's blocks in the file's layout: the Q8_0 lane layout (ops/q8_lanes.py) unpacked, others as they are."""
+    return (q8_lanes.unpack(blocks), int(Q.Q8_0)) if qtype == q8_lanes.Q8_0_LANES else (blocks, int(qtype))
+
+
 def dequantize(blocks: torch.Tensor, qtype: Q | int) -> torch.Tensor:
     """A weight's block bytes [N, K / values * block_bytes] -> fp32 [N, K], as gguf.quants.dequantize computes it."""
+    blocks, qtype = natural(blocks, qtype)
     t = block_type(qtype)
     n = blocks.shape[0]
     flat = blocks.reshape(-1, t.block_bytes)
@@ -138,6 +144,8 @@ def to_q8_0(blocks: torch.Tensor, qtype: Q | int) -> torch.Tensor:
 
 def rows_of(blocks: torch.Tensor, qtype: Q | int, index: torch.Tensor) -> torch.Tensor:
     """The fp32 rows `index` (any shape) of a block weight: an embedding lookup that dequantizes only those rows."""
+    if qtype == q8_lanes.Q8_0_LANES:
+        return dequantize(q8_lanes.unpack_rows(blocks, index.reshape(-1)), Q.Q8_0).view(*index.shape, -1)
     return dequantize(blocks[index.reshape(-1)], qtype).view(*index.shape, -1)
 
 
@@ -149,6 +157,7 @@ def lane_width(qtype: Q | int) -> int:
 def qblock_linear_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
     """The operator's definition (see the module docstring): x [M, K] fp32, blocks [n, K / values * block_bytes]."""
+    blocks, qtype = natural(blocks, qtype)
     t = block_type(qtype)
     rows, k = x.shape
     width = lane_width(qtype)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.ops import layers_reference, qblocks, reference
+from kvforge.ops import greedy, layers_reference, qblocks, reference
 
-assert qblocks.LIB  # qblocks defines qblock_linear and qblock_panel_linear
+assert qblocks.LIB and greedy.LIB  # they define qblock_linear, qblock_panel_linear and argmax_rows
 
 LIB = torch.library.Library("kvforge", "FRAGMENT")
 LIB.define("paged_decode(Tensor q, Tensor block_table, Tensor context_lens, float scale, int window, "

@@ -92,3 +92,55 @@ def test_decode_runs_k_quants_through_the_bridge_with_the_per_op_tokens(gemma_pa
     assert _tokens(gemma_auto, "auto") == on and not qtypes
     fp32 = _tokens(load_model(gemma_path, weights="fp32"), "fp32")
     assert all(a[:4] == b[:4] for a, b in zip(on, fp32)), (on, fp32)
+
+
+def test_the_engine_repacks_the_q8_0_lm_head_into_lanes_with_the_same_logits_and_lookups(gemma_path):
+    from kvforge.models.weight_store import prepare_weights, resident_bytes
+    from kvforge.ops.q8_lanes import Q8_0_LANES
+
+    if not compiled_for(torch.zeros(1, 8)):
+        pytest.skip("no VNNI kernels on this machine")
+    model = load_model(gemma_path, weights="auto").model
+    head = blocks_of(model.lm_head.weight)
+    assert head.qtype == int(Q.Q8_0) and model.lm_head.weight is model.model.embed_tokens.weight
+    hidden = torch.randn(33, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([0, 7, 262_143, 1234])
+    before = [model.compute_logits(hidden[:n]) for n in (1, 8, 33)], model.model.embed_tokens(ids)
+    held = resident_bytes(model)
+    prepare_weights(model)
+    assert blocks_of(model.lm_head.weight).qtype == Q8_0_LANES and resident_bytes(model) == held
+    after = [model.compute_logits(hidden[:n]) for n in (1, 8, 33)], model.model.embed_tokens(ids)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0])) and torch.equal(before[1], after[1])
+
+
+def test_batched_decode_of_up_to_32_sequences_takes_the_bridge_with_the_per_op_tokens(gemma_auto, monkeypatch):
+    """GGUF block weights run the few-row integer kernels up to COMPILED_ROWS rows on both paths, so steps of 9-32
+    rows go through the bridge too, with the same tokens."""
+    from kvforge.models import bridged
+    from kvforge.models.gemma import GemmaForCausalLM
+    from kvforge.ops.layer_bridge import BRIDGE_ROWS
+    from kvforge.ops.qblocks import COMPILED_ROWS
+
+    if not compiled_for(torch.zeros(1, 8)):
+        pytest.skip("no VNNI kernels on this machine")
+    rows = []
+    real = bridged.layer_bridge
+
+    def spy(*args):
+        rows.append(args[1].shape[0])
+        return real(*args)
+
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]  # 12 sequences
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def tokens() -> list[list[int]]:
+        engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB", weights="auto"), gemma_auto)
+        return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
+
+    monkeypatch.setattr(bridged, "layer_bridge", spy)
+    on = tokens()
+    assert BRIDGE_ROWS < max(rows) <= COMPILED_ROWS
+    assert bridged.bridged(gemma_auto.model, torch.zeros(COMPILED_ROWS + 1, 640)) is None  # more: the per-op path
+    monkeypatch.setattr(GemmaForCausalLM, "use_bridge", False)
+    rows.clear()
+    assert tokens() == on and not rows

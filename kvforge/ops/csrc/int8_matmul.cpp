@@ -60,14 +60,6 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
 
 namespace {
 
-// The 16 lanes summed as ops/int8.py's lane_sum: halves, then quarters, eighths, the last pair.
-inline float lane_sum(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the loads the packed weights are prefetched (into L2)
 
 // Tile t of the packed Wq ([tiles, chunks, 4, 64], one linear stream) against rows [m0, m0 + MR) of x. The first

@@ -32,7 +32,7 @@ namespace kvforge {
 
 bool is_qblock_type(int64_t qtype) {
   return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0 || qtype == kQ4_K ||
-         qtype == kQ5_K || qtype == kQ6_K;
+         qtype == kQ5_K || qtype == kQ6_K || qtype == kQ8_0L;
 }
 
 int64_t qblock_values(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K ? 256 : 32; }
@@ -99,13 +99,6 @@ inline __m512i codes(const uint8_t* a, const uint8_t* b, __m512& d, __m512& m) {
     v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(fifth, _mm512_set1_epi8(0x10)));
   }
   return v;
-}
-
-inline float lane_sum(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
 // Weight rows [n, n + R) (their lane groups in `w`, [groups][R]) against rows [m0, m0 + MR) of x: per group and
@@ -216,13 +209,20 @@ void panel_range(const float* x, const uint8_t* w, const float* bias, float* y, 
   const int64_t row_bytes = K / Traits<T>::values * Traits<T>::bytes;
   const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(static_cast<int>(K)));
+  std::vector<uint8_t> natural(T == kQ8_0L ? row_bytes : 0);
   for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
     const int64_t np = std::min(kPanelsPerTile, p1 - p);
     for (int64_t j = 0; j < np; ++j) {
       for (int64_t r = 0; r < kPanel; ++r) {
         const int64_t n = (p + j) * kPanel + r;
-        if (n < N) dequantize_row<T>(w + n * row_bytes, rows + r * K, K);
-        else std::memset(rows + r * K, 0, K * sizeof(float));
+        if (n >= N) {
+          std::memset(rows + r * K, 0, K * sizeof(float));
+        } else if constexpr (T == kQ8_0L) {
+          q8_lanes_unpack_row(w, n, K, natural.data());
+          dequantize_row<kQ8_0>(natural.data(), rows + r * K, K);
+        } else {
+          dequantize_row<T>(w + n * row_bytes, rows + r * K, K);
+        }
       }
       float* out = buffer + j * K * kPanel;
       for (int64_t k = 0; k < K; ++k) _mm512_storeu_ps(out + k * kPanel, _mm512_i32gather_ps(across, rows + k, 4));
@@ -233,12 +233,14 @@ void panel_range(const float* x, const uint8_t* w, const float* bias, float* y, 
 
 void check(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t n, const char* op) {
   TORCH_CHECK(is_qblock_type(qtype), op, ": ggml type ", qtype,
-              " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K");
+              " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or Q8_0 in lane groups (1008)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % qblock_values(qtype) == 0, op,
               ": x [M, K] fp32 with K a multiple of the block's values (32; 256 for K-quants) expected");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(0) == n &&
                   blocks.size(1) == x.size(1) / qblock_values(qtype) * qblock_bytes(qtype),
               op, ": blocks [n, K / block values * block bytes] uint8 expected");
+  TORCH_CHECK(qtype != kQ8_0L || q8_lanes_fits(n, x.size(1)), op,
+              ": Q8_0 lane layout needs n a multiple of 4 and K a multiple of 512 or 128 past one");
 }
 
 at::Tensor qblock_linear_cpu(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t qtype, int64_t n,
@@ -246,7 +248,7 @@ at::Tensor qblock_linear_cpu(const at::Tensor& x_in, const at::Tensor& blocks_in
   check(x_in, blocks_in, qtype, n, "qblock_linear");
   const at::Tensor x = x_in.contiguous(), blocks = blocks_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  const BlockRows xr = quantize_block_rows(x.data_ptr<float>(), M, K, qtype);
+  const BlockRows xr = quantize_block_rows(x.data_ptr<float>(), M, K, qtype == kQ8_0L ? kQ8_0 : qtype);
   at::Tensor y = at::empty({M, n}, x.options());
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
@@ -288,6 +290,7 @@ at::Tensor qblock_panel_linear_cpu(const at::Tensor& x_in, const at::Tensor& blo
         case kQ4_K: panel_range<kQ4_K>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
         case kQ5_K: panel_range<kQ5_K>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
         case kQ6_K: panel_range<kQ6_K>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
+        case kQ8_0L: panel_range<kQ8_0L>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
         default: panel_range<kQ8_0>(xm, w, bp, ym, rows, K, n, p0, p1, buffer, scratch); break;
       }
     });
@@ -336,6 +339,7 @@ void qblock_rows(const BlockRows& xr, const uint8_t* blocks, int64_t qtype, floa
     case kQ4_K: return rows_range<kQ4_K>(xr, blocks, y, stride, M, K, n0, n1);
     case kQ5_K: return rows_range<kQ5_K>(xr, blocks, y, stride, M, K, n0, n1);
     case kQ6_K: return rows_range<kQ6_K>(xr, blocks, y, stride, M, K, n0, n1);
+    case kQ8_0L: return q8_lanes_rows(xr, blocks, y, stride, M, K, n0, n1);
     default: return rows_range<kQ8_0>(xr, blocks, y, stride, M, K, n0, n1);
   }
 }

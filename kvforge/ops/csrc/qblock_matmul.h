@@ -11,7 +11,8 @@
 namespace kvforge {
 
 // ggml's type ids of the block types computed in place
-enum QBlockType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QBlockType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+                          kQ8_0L = 1008 };  // kQ8_0L: Q8_0 in lane groups (ops/q8_lanes.py, csrc/q8_lanes.cpp)
 
 bool is_qblock_type(int64_t qtype);
 int64_t qblock_bytes(int64_t qtype);   // bytes of one block (32 weights; a K-quant super-block: 256)
@@ -36,6 +37,12 @@ BlockRows quantize_block_rows(const float* x, int64_t M, int64_t K, int64_t qtyp
 // y[m * stride + n] for weight rows n in [n0, n1) of blocks (row-major block bytes of a [N, K] weight).
 void qblock_rows(const BlockRows& xr, const uint8_t* blocks, int64_t qtype, float* y, int64_t stride, int64_t M,
                  int64_t K, int64_t n0, int64_t n1);
+// The lane layout of Q8_0 (q8_lanes.cpp): which shapes take it, the few-row kernel on it (x rounded as for Q8_0,
+// n0 and n1 multiples of 4), and row n as the file's Q8_0 block bytes.
+bool q8_lanes_fits(int64_t n, int64_t K);
+void q8_lanes_rows(const BlockRows& xr, const uint8_t* blocks, float* y, int64_t stride, int64_t M, int64_t K,
+                   int64_t n0, int64_t n1);
+void q8_lanes_unpack_row(const uint8_t* blocks, int64_t n, int64_t K, uint8_t* out);
 #endif
 
 }  // namespace kvforge
