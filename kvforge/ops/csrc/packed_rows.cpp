@@ -44,12 +44,13 @@ inline float code_at(const uint8_t* row, int64_t c) {
 }
 
 // folded[g] = q[g] * scale (per channel), bias[g] = q[g] . zero; rows of 16 keys at a time: each row's codes are
-// widened once for all query rows, whose 16 products per row are summed together at the end of the 16.
+// widened once for all query rows, whose 16 products per row are summed together at the end of the 16. A row's
+// outliers add q . (exact - decoded) to its bias, made before the dense pass (added into a score just stored, they
+// waited on the store).
 template <int BITS, int ROWS>
 void scores_of(const Side& K, const OutlierList& outliers, int64_t b, int64_t h, const float* q, int64_t t0, int64_t t1,
                float* s, int64_t ss) {
-  alignas(64) float scale[DIM], zero[DIM], folded[ROWS][DIM];
-  float bias[ROWS];
+  alignas(64) float scale[DIM], zero[DIM], folded[ROWS][DIM], bias[ROWS][MAX_BLOCK];
   K.channel_params(b, h, scale, zero);
   for (int g = 0; g < ROWS; ++g) {
     __m512 acc = _mm512_setzero_ps();
@@ -58,10 +59,16 @@ void scores_of(const Side& K, const OutlierList& outliers, int64_t b, int64_t h,
       _mm512_store_ps(folded[g] + c, _mm512_mul_ps(qc, _mm512_load_ps(scale + c)));
       acc = _mm512_fmadd_ps(qc, _mm512_load_ps(zero + c), acc);
     }
-    bias[g] = _mm512_reduce_add_ps(acc);
+    const __m512 all = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
+    for (int64_t r16 = t0 & ~int64_t{15}; r16 < t1; r16 += 16) _mm512_store_ps(bias[g] + r16, all);
   }
   const uint8_t* rows = K.rows(b, h);
   const int64_t ld = K.heads * K.row_bytes();
+  if (K.n_out)
+    outliers.each(h, t0, t1, [&](int64_t r, int64_t c, float exact) {
+      const float delta = exact - (code_at<BITS>(rows + r * ld, c) * scale[c] + zero[c]);
+      for (int g = 0; g < ROWS; ++g) bias[g][r] += q[g * DIM + c] * delta;
+    });
   __m512 part[ROWS][16];
   for (int g = 0; g < ROWS; ++g)
     for (int i = 0; i < 16; ++i) part[g][i] = _mm512_setzero_ps();
@@ -79,20 +86,15 @@ void scores_of(const Side& K, const OutlierList& outliers, int64_t b, int64_t h,
     }
     for (int g = 0; g < ROWS; ++g)
       _mm512_mask_storeu_ps(s + g * ss + r16, lanes(r16, lo, hi),
-                            _mm512_add_ps(sum_each16(part[g]), _mm512_set1_ps(bias[g])));
+                            _mm512_add_ps(sum_each16(part[g]), _mm512_load_ps(bias[g] + r16)));
   }
-  if (K.n_out == 0) return;
-  outliers.each(h, t0, t1, [&](int64_t r, int64_t c, float exact) {  // q . (exact - decoded) on top
-    const float delta = exact - (code_at<BITS>(rows + r * ld, c) * scale[c] + zero[c]);
-    for (int g = 0; g < ROWS; ++g) s[g * ss + r] += q[g * DIM + c] * delta;
-  });
 }
 
-// acc[g] = acc[g] * alpha[g] + sum over rows of scaled[g][row] times the row's codes, plus zsum[g] per group; the
+// acc[g] = acc[g] * alpha[g] + sum over rows of scaled[g][row] times the row's codes, plus extra[g]; the
 // accumulators stay in registers (no call in between to spill them).
 template <int BITS, int ROWS, int GROUPS>
 void accumulate(const uint8_t* rows, int64_t ld, int64_t t0, int64_t t1,
-                const float (&scaled)[ROWS][MAX_BLOCK][GROUPS], const float (&zsum)[ROWS][GROUPS], const float* alpha,
+                const float (&scaled)[ROWS][MAX_BLOCK][GROUPS], const float (&extra)[ROWS][DIM], const float* alpha,
                 float* acc) {
   constexpr int CHUNKS_PER_GROUP = 4 / GROUPS;
   __m512 a[ROWS][4];
@@ -108,11 +110,12 @@ void accumulate(const uint8_t* rows, int64_t ld, int64_t t0, int64_t t1,
   }
   for (int g = 0; g < ROWS; ++g)
     for (int k = 0; k < 4; ++k)
-      _mm512_storeu_ps(acc + g * DIM + 16 * k, _mm512_add_ps(a[g][k], _mm512_set1_ps(zsum[g][k / CHUNKS_PER_GROUP])));
+      _mm512_storeu_ps(acc + g * DIM + 16 * k, _mm512_add_ps(a[g][k], _mm512_load_ps(extra[g] + 16 * k)));
 }
 
 // Weights times each row's group scales are made for the whole block first, so the row loop only broadcasts them
-// from memory; the zeros' share, sum of weight times zero per group, is added once at the end.
+// from memory; the zeros' share (sum of weight times zero per group) and the outliers' (weight times exact - decoded)
+// are summed apart and added once at the end.
 template <int BITS, int ROWS, int GROUPS>
 void weigh_of(const Side& V, const OutlierList& outliers, int64_t b, int64_t h, const float* w, int64_t ws,
               int64_t t0, int64_t t1, const float* alpha, float* acc) {
@@ -126,15 +129,18 @@ void weigh_of(const Side& V, const OutlierList& outliers, int64_t b, int64_t h, 
         scaled[g][i][j] = w[g * ws + t0 + i] * scale[i * GROUPS + j];
         zsum[g][j] += w[g * ws + t0 + i] * zero[i * GROUPS + j];
       }
+  alignas(64) float extra[ROWS][DIM];
+  for (int g = 0; g < ROWS; ++g)
+    for (int c = 0; c < DIM; c += 16) _mm512_store_ps(extra[g] + c, _mm512_set1_ps(zsum[g][c / (DIM / GROUPS)]));
   const uint8_t* rows = V.rows(b, h) + t0 * V.heads * V.row_bytes();
   const int64_t ld = V.heads * V.row_bytes();
-  accumulate<BITS, ROWS, GROUPS>(rows, ld, t0, t1, scaled, zsum, alpha, acc);
-  if (V.n_out == 0) return;
-  outliers.each(h, t0, t1, [&](int64_t r, int64_t c, float exact) {  // weight * (exact - decoded) on top
-    const int64_t j = (r - t0) * GROUPS + c / (DIM / GROUPS);
-    const float delta = exact - (code_at<BITS>(rows + (r - t0) * ld, c) * scale[j] + zero[j]);
-    for (int g = 0; g < ROWS; ++g) acc[g * DIM + c] += w[g * ws + r] * delta;
-  });
+  if (V.n_out)
+    outliers.each(h, t0, t1, [&](int64_t r, int64_t c, float exact) {
+      const int64_t j = (r - t0) * GROUPS + c / (DIM / GROUPS);
+      const float delta = exact - (code_at<BITS>(rows + (r - t0) * ld, c) * scale[j] + zero[j]);
+      for (int g = 0; g < ROWS; ++g) extra[g][c] += w[g * ws + r] * delta;
+    });
+  accumulate<BITS, ROWS, GROUPS>(rows, ld, t0, t1, scaled, extra, alpha, acc);
 }
 
 template <int BITS, int ROWS>
