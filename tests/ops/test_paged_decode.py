@@ -18,7 +18,9 @@ from kvforge.ops.build import load_compiled
 FORMATS = [("fp32", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {}),
            ("int4", {}), ("int4", {"key_axis": "token", "group_size": 16}), ("int4", {"scale_bits": 16, "sinks": 0}),
            ("kivi2", {}), ("kivi2", {"window": 16, "group_size": 16}), ("kivi2", {"window": 0, "scale_bits": 16}),
-           ("kivi2", {"outlier_frac": 0.0, "sinks": 0})]
+           ("kivi2", {"outlier_frac": 0.0, "sinks": 0}),
+           # many outliers per block and head, every block in codes: the in-place reads' sparse corrections
+           ("kivi2", {"window": 0, "outlier_frac": 0.1}), ("int4", {"window": 0, "outlier_frac": 0.05})]
 SHAPES = {"mha": (4, 4), "gqa": (2, 6), "mqa": (1, 4)}  # kv heads, query heads
 BLOCK, DIM = 16, 64
 LENS = [1, 17, 40, 150, 64]  # one key; rows past a block edge; whole blocks

@@ -36,39 +36,21 @@ inline __m512 sum_each16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
 
-// A block's outliers in one head as replacement codes: in row r, the lanes set in mask[r][k] of the codes' 16-lane
-// vector k take the values code[r][16 k + lane], chosen so that decoding them (code * scale + zero) gives the exact
-// value. Folding then needs no correction afterwards.
-struct Patches {
-  bool any = false;
-  __mmask16 mask[MAX_BLOCK][4];
-  alignas(64) float code[MAX_BLOCK][DIM];
-
-  // value(r, c, exact): the replacement code of channel c in row r.
-  template <class Value>
-  Patches(const Side& side, const OutlierList& outliers, int64_t h, int64_t t0, int64_t t1, Value&& value)
-      : any(side.n_out > 0) {
-    if (!any) return;
-    std::fill(&mask[t0][0], &mask[t1][0], __mmask16{0});
-    outliers.each(h, t0, t1, [&](int64_t r, int64_t c, float exact) {
-      code[r][c] = value(r, c, exact);
-      mask[r][c / 16] |= static_cast<__mmask16>(1u << (c % 16));
-    });
-  }
-  __attribute__((always_inline)) void apply(int64_t r, __m512 c[4]) const {
-    // a plain load and a masked move, not a masked load: with one, GCC kept storing the callers' accumulators
-    // to memory every row (lanes left out are never used, whatever the row holds there)
-    for (int k = 0; k < 4; ++k) c[k] = _mm512_mask_mov_ps(c[k], mask[r][k], _mm512_load_ps(code[r] + 16 * k));
-  }
-};
+// Code c of a packed row (the lowest bits first, as packing.py packs them).
+template <int BITS>
+inline float code_at(const uint8_t* row, int64_t c) {
+  constexpr int PER = 8 / BITS;
+  return static_cast<float>((row[c / PER] >> (c % PER * BITS)) & ((1 << BITS) - 1));
+}
 
 // folded[g] = q[g] * scale (per channel), bias[g] = q[g] . zero; rows of 16 keys at a time: each row's codes are
-// widened once for all query rows, whose 16 products per row are summed together at the end of the 16.
+// widened once for all query rows, whose 16 products per row are summed together at the end of the 16. A row's
+// outliers add q . (exact - decoded) to its bias, made before the dense pass (added into a score just stored, they
+// waited on the store).
 template <int BITS, int ROWS>
 void scores_of(const Side& K, const OutlierList& outliers, int64_t b, int64_t h, const float* q, int64_t t0, int64_t t1,
                float* s, int64_t ss) {
-  alignas(64) float scale[DIM], zero[DIM], folded[ROWS][DIM];
-  float bias[ROWS];
+  alignas(64) float scale[DIM], zero[DIM], folded[ROWS][DIM], bias[ROWS][MAX_BLOCK];
   K.channel_params(b, h, scale, zero);
   for (int g = 0; g < ROWS; ++g) {
     __m512 acc = _mm512_setzero_ps();
@@ -77,12 +59,16 @@ void scores_of(const Side& K, const OutlierList& outliers, int64_t b, int64_t h,
       _mm512_store_ps(folded[g] + c, _mm512_mul_ps(qc, _mm512_load_ps(scale + c)));
       acc = _mm512_fmadd_ps(qc, _mm512_load_ps(zero + c), acc);
     }
-    bias[g] = _mm512_reduce_add_ps(acc);
+    const __m512 all = _mm512_set1_ps(_mm512_reduce_add_ps(acc));
+    for (int64_t r16 = t0 & ~int64_t{15}; r16 < t1; r16 += 16) _mm512_store_ps(bias[g] + r16, all);
   }
-  const Patches patches(K, outliers, h, t0, t1,
-                        [&](int64_t, int64_t c, float exact) { return (exact - zero[c]) / scale[c]; });
   const uint8_t* rows = K.rows(b, h);
   const int64_t ld = K.heads * K.row_bytes();
+  if (K.n_out)
+    outliers.each(h, t0, t1, [&](int64_t r, int64_t c, float exact) {
+      const float delta = exact - (code_at<BITS>(rows + r * ld, c) * scale[c] + zero[c]);
+      for (int g = 0; g < ROWS; ++g) bias[g][r] += q[g * DIM + c] * delta;
+    });
   __m512 part[ROWS][16];
   for (int g = 0; g < ROWS; ++g)
     for (int i = 0; i < 16; ++i) part[g][i] = _mm512_setzero_ps();
@@ -91,7 +77,6 @@ void scores_of(const Side& K, const OutlierList& outliers, int64_t b, int64_t h,
     for (int64_t r = lo; r < hi; ++r) {
       __m512 c[4];
       widen_row<BITS>(rows + r * ld, c);
-      if (patches.any) patches.apply(r, c);
       for (int g = 0; g < ROWS; ++g) {
         __m512 a = _mm512_mul_ps(c[0], _mm512_load_ps(folded[g]));
         a = _mm512_fmadd_ps(c[1], _mm512_load_ps(folded[g] + 16), a);
@@ -101,15 +86,15 @@ void scores_of(const Side& K, const OutlierList& outliers, int64_t b, int64_t h,
     }
     for (int g = 0; g < ROWS; ++g)
       _mm512_mask_storeu_ps(s + g * ss + r16, lanes(r16, lo, hi),
-                            _mm512_add_ps(sum_each16(part[g]), _mm512_set1_ps(bias[g])));
+                            _mm512_add_ps(sum_each16(part[g]), _mm512_load_ps(bias[g] + r16)));
   }
 }
 
-// acc[g] = acc[g] * alpha[g] + sum over rows of scaled[g][row] times the row's codes, plus zsum[g] per group; the
+// acc[g] = acc[g] * alpha[g] + sum over rows of scaled[g][row] times the row's codes, plus extra[g]; the
 // accumulators stay in registers (no call in between to spill them).
-template <int BITS, int ROWS, int GROUPS, bool PATCHED>
-void accumulate(const uint8_t* rows, int64_t ld, int64_t t0, int64_t t1, const Patches& patches,
-                const float (&scaled)[ROWS][MAX_BLOCK][GROUPS], const float (&zsum)[ROWS][GROUPS], const float* alpha,
+template <int BITS, int ROWS, int GROUPS>
+void accumulate(const uint8_t* rows, int64_t ld, int64_t t0, int64_t t1,
+                const float (&scaled)[ROWS][MAX_BLOCK][GROUPS], const float (&extra)[ROWS][DIM], const float* alpha,
                 float* acc) {
   constexpr int CHUNKS_PER_GROUP = 4 / GROUPS;
   __m512 a[ROWS][4];
@@ -119,18 +104,18 @@ void accumulate(const uint8_t* rows, int64_t ld, int64_t t0, int64_t t1, const P
   for (int64_t i = 0; i < t1 - t0; ++i) {
     __m512 c[4];
     widen_row<BITS>(rows + i * ld, c);
-    if constexpr (PATCHED) patches.apply(t0 + i, c);
     for (int g = 0; g < ROWS; ++g)
       for (int k = 0; k < 4; ++k)
         a[g][k] = _mm512_fmadd_ps(_mm512_set1_ps(scaled[g][i][k / CHUNKS_PER_GROUP]), c[k], a[g][k]);
   }
   for (int g = 0; g < ROWS; ++g)
     for (int k = 0; k < 4; ++k)
-      _mm512_storeu_ps(acc + g * DIM + 16 * k, _mm512_add_ps(a[g][k], _mm512_set1_ps(zsum[g][k / CHUNKS_PER_GROUP])));
+      _mm512_storeu_ps(acc + g * DIM + 16 * k, _mm512_add_ps(a[g][k], _mm512_load_ps(extra[g] + 16 * k)));
 }
 
 // Weights times each row's group scales are made for the whole block first, so the row loop only broadcasts them
-// from memory; the zeros' share, sum of weight times zero per group, is added once at the end.
+// from memory; the zeros' share (sum of weight times zero per group) and the outliers' (weight times exact - decoded)
+// are summed apart and added once at the end.
 template <int BITS, int ROWS, int GROUPS>
 void weigh_of(const Side& V, const OutlierList& outliers, int64_t b, int64_t h, const float* w, int64_t ws,
               int64_t t0, int64_t t1, const float* alpha, float* acc) {
@@ -144,14 +129,18 @@ void weigh_of(const Side& V, const OutlierList& outliers, int64_t b, int64_t h, 
         scaled[g][i][j] = w[g * ws + t0 + i] * scale[i * GROUPS + j];
         zsum[g][j] += w[g * ws + t0 + i] * zero[i * GROUPS + j];
       }
-  const Patches patches(V, outliers, h, t0, t1, [&](int64_t r, int64_t c, float exact) {
-    const int64_t j = (r - t0) * GROUPS + c / (DIM / GROUPS);
-    return (exact - zero[j]) / scale[j];
-  });
+  alignas(64) float extra[ROWS][DIM];
+  for (int g = 0; g < ROWS; ++g)
+    for (int c = 0; c < DIM; c += 16) _mm512_store_ps(extra[g] + c, _mm512_set1_ps(zsum[g][c / (DIM / GROUPS)]));
   const uint8_t* rows = V.rows(b, h) + t0 * V.heads * V.row_bytes();
   const int64_t ld = V.heads * V.row_bytes();
-  if (patches.any) accumulate<BITS, ROWS, GROUPS, true>(rows, ld, t0, t1, patches, scaled, zsum, alpha, acc);
-  else accumulate<BITS, ROWS, GROUPS, false>(rows, ld, t0, t1, patches, scaled, zsum, alpha, acc);
+  if (V.n_out)
+    outliers.each(h, t0, t1, [&](int64_t r, int64_t c, float exact) {
+      const int64_t j = (r - t0) * GROUPS + c / (DIM / GROUPS);
+      const float delta = exact - (code_at<BITS>(rows + (r - t0) * ld, c) * scale[j] + zero[j]);
+      for (int g = 0; g < ROWS; ++g) extra[g][c] += w[g * ws + r] * delta;
+    });
+  accumulate<BITS, ROWS, GROUPS>(rows, ld, t0, t1, scaled, extra, alpha, acc);
 }
 
 template <int BITS, int ROWS>

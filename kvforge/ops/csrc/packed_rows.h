@@ -1,7 +1,8 @@
 // 2- and 4-bit KV rows read in place by decode attention, with no decoded tile. Keys quantized per channel over a
 // block fold their parameters into the query (q . k = (q * scale) . code + q . zero); values quantized per token
 // in groups fold theirs into the weight (w * v = (w * scale) code + w * zero). Codes are widened in registers;
-// dense-and-sparse outliers replace their lanes with the code that decodes to the exact value.
+// dense-and-sparse outliers add (exact - decoded) times the query or weight afterwards, a few scalar FMAs per outlier
+// instead of a patch on every row.
 #pragma once
 
 #include "tiles.h"

@@ -309,29 +309,30 @@ void Side::list_outliers(int64_t b, OutlierList& out) const {
   bool sorted = true;
   int64_t last = -1, i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (!index32 && dim_shift >= 0) {  // 16 at a time: row from the row_of table, key compared with the one before
+  if (!index32 && dim_shift >= 0) {  // 16 at a time (the last ones masked): row from the row_of table, key compared
+                                     // with the one before
     const __m128i shift = _mm_cvtsi32_si128(dim_shift);
     const __m512i channel_mask = _mm512_set1_epi32(static_cast<int32_t>(dim - 1)), vheads = _mm512_set1_epi32(heads);
     const __m512i vbs = _mm512_set1_epi32(static_cast<int32_t>(bs)), vdim = _mm512_set1_epi32(static_cast<int32_t>(dim));
     __m512i before = _mm512_set1_epi32(-1);
     __mmask16 unsorted = 0;
-    for (; i + 16 <= n_out; i += 16) {
-      const __m512i flat = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(index16 + i)));
+    for (; i < n_out; i += 16) {
+      const __mmask16 m = n_out - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n_out - i)) - 1);
+      const __m512i flat = _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(m, index16 + i));
       const __m512i rh = _mm512_srl_epi32(flat, shift);
-      const __m512i row = _mm512_i32gather_epi32(rh, row_of.data(), 4);
+      const __m512i row = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, rh, row_of.data(), 4);
       const __m512i head = _mm512_sub_epi32(rh, _mm512_mullo_epi32(row, vheads));
       const __m512i channel = _mm512_and_si512(flat, channel_mask);
       const __m512i key = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(_mm512_mullo_epi32(head, vbs), row), vdim),
                                            channel);
       const __m512i previous = _mm512_alignr_epi32(key, before, 15);  // lane j: key of lane j - 1
-      unsorted |= _mm512_cmple_epi32_mask(key, previous);
+      unsorted |= _mm512_mask_cmple_epi32_mask(m, key, previous);
       before = key;
-      _mm512_storeu_si512(out.row.data() + i, row);
-      _mm512_storeu_si512(out.head.data() + i, head);
-      _mm512_storeu_si512(out.channel.data() + i, channel);
+      _mm512_mask_storeu_epi32(out.row.data() + i, m, row);
+      _mm512_mask_storeu_epi32(out.head.data() + i, m, head);
+      _mm512_mask_storeu_epi32(out.channel.data() + i, m, channel);
     }
     sorted = unsorted == 0;
-    if (i > 0) last = (out.head[i - 1] * bs + out.row[i - 1]) * dim + out.channel[i - 1];
   }
 #endif
   for (; i < n_out; ++i) {
@@ -356,9 +357,9 @@ void Side::list_outliers(int64_t b, OutlierList& out) const {
     permute(out.channel, out.order);
     permute(out.value, out.order);
   }
-  out.start.resize(heads + 1);
-  for (int64_t h = 0; h <= heads; ++h)
-    out.start[h] = static_cast<int32_t>(std::lower_bound(out.head.begin(), out.head.end(), h) - out.head.begin());
+  out.start.assign(heads + 1, 0);  // by counting (a binary search per head cost more than the listing itself)
+  for (int64_t k = 0; k < n_out; ++k) ++out.start[out.head[k] + 1];
+  for (int64_t h = 0; h < heads; ++h) out.start[h + 1] += out.start[h];
 }
 
 Overlay::Overlay(const at::Tensor& entry, const at::Tensor& exact)
