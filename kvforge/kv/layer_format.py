@@ -152,6 +152,12 @@ class KVFormat(ABC):
         0 when the format stages nothing. The KV manager tells the layers which blocks these are (`may_stage`)."""
         return 0
 
+    def drop_unit(self, spec: KVCacheSpec, block_size: int) -> int:
+        """A KV policy's compaction drops rows in multiples of this where its budget allows: 1 when moved rows keep
+        their codes anywhere; the block size where a block's rows share parameters (per-channel keys), so the rows
+        behind the last dropped one shift by whole blocks and keep theirs (QuantLayerKV.move, move_heads)."""
+        return 1
+
     def side_bytes(self, spec: KVCacheSpec, block_size: int, max_num_seqs: int = 1) -> int:
         """Bytes one layer holds beyond its blocks (per-sequence staging/residual and sink buffers)."""
         return 0

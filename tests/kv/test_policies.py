@@ -98,6 +98,27 @@ def test_snapkv_pools_votes_of_the_window_once():
     assert p.attention_rows(seq, 1) == 0 and p.keep(_seq(11, prompt_len=10, state=state)) is None
 
 
+def test_drops_come_in_whole_units_within_budget_plus_slack():
+    """window, budget 100, slack 16: at 117 rows one unit of 16 goes (101 kept, the next 16 shift by a block); at
+    140, 32; with slack 4 a whole unit would leave more than budget + slack, so exactly the budget stays."""
+    p = build_policy("window", {"budget": 100, "slack": 16})
+    assert p.keep(_seq(117), drop_unit=16).tolist() == list(range(16, 117))
+    assert len(p.keep(_seq(140), drop_unit=16)) == 108 and len(p.keep(_seq(140))) == 100
+    tight = build_policy("window", {"budget": 100, "slack": 4})
+    assert len(tight.keep(_seq(110), drop_unit=16)) == 100
+
+
+def test_formats_name_their_drop_unit():
+    """Per-channel keys share a block's parameters: their compactions drop whole blocks; per-token formats move
+    rows one by one as stored."""
+    from kvforge.kv.formats import get_format
+    from kvforge.kv.spec import KVCacheSpec
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, v_head_dim=64)
+    units = {name: get_format(name).drop_unit(spec, 16) for name in ("fp32", "fp16", "int8", "fp8_e4m3", "int4", "kivi2")}
+    assert units == {"fp32": 1, "fp16": 1, "int8": 1, "fp8_e4m3": 1, "int4": 16, "kivi2": 16}
+    assert get_format("int4", key_axis="token", window=0).drop_unit(spec, 16) == 1
+
+
 def test_fraction_budget_follows_length():
     p = build_policy("h2o", {"budget": 0.5, "slack": 0})
     assert p.budget_for(100) == 50 and p.budget_for(3) == 1

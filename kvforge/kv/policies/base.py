@@ -197,11 +197,18 @@ class KVPolicy:
             return False
         return seq.cache_len > self.budget_for(seq.num_computed_tokens) + self.slack
 
-    def keep(self, seq: SequenceView) -> torch.Tensor | None:
-        """Sorted cache indices to keep, or None to keep everything."""
+    def keep(self, seq: SequenceView, drop_unit: int = 1) -> torch.Tensor | None:
+        """Sorted cache indices to keep, or None to keep everything. With drop_unit > 1 (the Evictor passes its
+        format's: the block size for per-channel keys) the rows dropped are the largest multiple of it that leaves
+        at most budget + slack rows, so the rows behind the last dropped one shift by whole blocks (and move as
+        stored); up to drop_unit - 1 rows then stay over the budget until the next compaction."""
         if not self.should_compact(seq):
             return None
-        return self.select(seq.cache_len, self.budget_for(seq.num_computed_tokens), seq.state)
+        budget, length = self.budget_for(seq.num_computed_tokens), seq.cache_len
+        drop = (length - budget) // drop_unit * drop_unit
+        if drop == 0 or length - drop > budget + self.slack:
+            drop = length - budget
+        return self.select(length, length - drop, seq.state)
 
     def select(self, length: int, budget: int, state: PolicyState) -> torch.Tensor:
         return torch.arange(length)

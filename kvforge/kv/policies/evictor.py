@@ -33,6 +33,7 @@ class Evictor:
         self.inv_freq = inv_freq if inv_freq is not None else getattr(rotary, "inv_freq", None)
         if policy.needs_queries and self.inv_freq is None:
             raise ConfigError(f"kv_policy {policy.name!r} needs the model's RoPE frequencies; this model has none")
+        self.drop_unit = kv.format.drop_unit(kv.spec, kv.block_size)  # whole blocks where rows share parameters
         self.evicted_tokens = 0
         self.compactions = 0
         self.compact_seconds = 0.0
@@ -109,7 +110,7 @@ class Evictor:
                 self._record_values(seq, view.state, view.cache_len, 0)
             if self.policy.reads_keys and self.policy.should_compact(view):
                 view.state.keys = key_rows(self.kv, seq, view.cache_len)
-            keep = self.policy.keep(view)
+            keep = self.policy.keep(view, self.drop_unit)
             if keep is None:
                 continue
             if self.policy.reuses_prefixes:

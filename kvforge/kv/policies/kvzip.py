@@ -84,7 +84,7 @@ class KVzipPolicy(KVPolicy):
     def should_compact(self, seq: SequenceView) -> bool:
         return seq.state.pending and seq.state.selected
 
-    def keep(self, seq: SequenceView) -> torch.Tensor | None:
+    def keep(self, seq: SequenceView, drop_unit: int = 1) -> torch.Tensor | None:  # one compression: kept as is
         if not self.should_compact(seq):
             return None
         seq.state.pending = False

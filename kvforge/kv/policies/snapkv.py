@@ -52,7 +52,7 @@ class SnapKVPolicy(KVPolicy):
         state.scores = pooled[0, 0]
         state.pending = True
 
-    def keep(self, seq: SequenceView) -> torch.Tensor | None:
+    def keep(self, seq: SequenceView, drop_unit: int = 1) -> torch.Tensor | None:  # one compression: kept as is
         state = seq.state
         if not state.pending:
             return None

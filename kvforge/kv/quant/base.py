@@ -44,6 +44,9 @@ class QuantFormat(KVFormat):
     def stage_entries(self, spec: KVCacheSpec, block_size: int, max_num_seqs: int) -> int:
         return max_num_seqs * self.stage_blocks(spec, block_size)
 
+    def drop_unit(self, spec: KVCacheSpec, block_size: int) -> int:
+        return 1 if all(c.per_token for c in self.codecs(spec) if c is not None) else block_size
+
     def sink_entries(self, max_num_seqs: int) -> int:
         return SINK_ENTRIES_PER_SEQ * max_num_seqs if self.sinks else 0
 

@@ -31,6 +31,11 @@ class Codec(ABC):
     def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Parts of n blocks -> fp32 [n, rows, heads, dim]."""
 
+    def head_axes(self) -> list[int] | None:
+        """Each part's axis (in its per-block shape) that runs over KV heads, so one head of a block can be copied
+        alone; None when some part mixes heads (e.g. a block's outlier list)."""
+        return None
+
     def block_bytes(self, block_size: int, heads: int, dim: int) -> int:
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.layout(block_size, heads, dim))
 

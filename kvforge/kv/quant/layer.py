@@ -21,6 +21,7 @@ from kvforge.kv.layer_format import LayerKV, RawKV
 from kvforge.kv.lazy_zeros import lazy_zeros
 from kvforge.kv.quant.block_io import QuantBlockIO
 from kvforge.kv.quant.codec import Codec
+from kvforge.kv.quant.moves import QuantMoves
 from kvforge.kv.quant.overlay import overlay_exact
 from kvforge.kv.quant.sidetable import Claim, SideTable
 from kvforge.kv.quant.staging_op import stage_append
@@ -32,7 +33,7 @@ WINDOW_BIAS = 1 << 56  # entries of blocks in some window go last (above any age
 FAST_ROWS = 64  # writes of up to this many rows try the staged fast path (decode, speculation)
 
 
-class QuantLayerKV(QuantBlockIO, LayerKV):
+class QuantLayerKV(QuantMoves, QuantBlockIO, LayerKV):
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, codecs: tuple[Codec, Codec | None],
                  stage_entries: int, sinks: int, sink_entries: int, device: torch.device):
         self.bs, self.sinks = block_size, sinks
@@ -232,80 +233,7 @@ class QuantLayerKV(QuantBlockIO, LayerKV):
             if e >= 0:
                 self.stage_full[e] = False
 
-    # ---- compaction ---------------------------------------------------------------------------
-    def move(self, src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
-        """Rows keep their codes and parameters: per-token parts move slot by slot; a destination block
-        filled from one source block at the same offsets takes that block's parts whole (per-channel too).
-        Only per-channel parts of other destination blocks are encoded again (once); rows landing in a
-        staged (fp16 window) block are held there as the fp16 of their decoded values."""
-        src, dst = src.long(), dst.long()
-        k, v = self.read_rows(src, block_size)
-        if self.direct:
-            for ps in self.parts:
-                for p in ps:
-                    flat = p.view(-1, *p.shape[2:])
-                    flat[dst] = flat[src]
-            self._set_sink_rows(dst, [k, v])
-            return
-        codes = [[p.view(-1, *p.shape[2:])[src] for p in ps] if c.per_token else [] for c, ps in zip(self.codecs, self.parts)]
-        whole, dst_blocks, src_blocks, covered = self._whole_blocks(src, dst)
-        if len(dst_blocks):
-            if self.stage is not None:
-                self.stage.release(dst_blocks)
-            if self.sink is not None:
-                self.sink.release(dst_blocks[~covered])
-            for ps in self.parts:
-                for p in ps:
-                    p[dst_blocks] = p[src_blocks]
-        rest = ~whole
-        if bool(rest.any()):
-            self.write(dst[rest], k[rest], v[rest] if v is not None else None)
-            self._set_sink_rows(dst[rest], [k[rest], v[rest] if v is not None else None])
-            for ps, saved in zip(self.parts, codes):  # per-token codes as they were (staged rows hold fp16 copies)
-                for p, rows in zip(ps, saved):
-                    p.view(-1, *p.shape[2:])[dst[rest]] = rows[rest]
-
-    def move_heads(self, src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
-        """Head h of row dst[i] takes head h of row src[i, h] with its per-token codes and parameters as stored;
-        per-channel parts of the destination blocks are encoded again (once) from the decoded rows, and rows in
-        staged (fp16 window) blocks are held there as the fp16 of their decoded values."""
-        src, dst = src.long(), dst.long()
-        k, v = self.read_head_rows(src, block_size)
-        heads = torch.arange(src.shape[1], device=src.device)[None, :]
-        codes = [[p.view(-1, *p.shape[2:])[src, heads] for p in ps] if c.per_token else []
-                 for c, ps in zip(self.codecs, self.parts)]
-        if not self.direct:
-            self.write(dst, k, v)
-        self._set_sink_rows(dst, [k, v])
-        for ps, saved in zip(self.parts, codes):
-            for p, rows in zip(ps, saved):
-                p.view(-1, *p.shape[2:])[dst[:, None], heads] = rows
-
-    def _whole_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Destination blocks whose rows all come from one source block at the same offsets, apart from rows
-        their own sink entry covers and that stay: per row whether its block is one, those blocks, their
-        source blocks, and whether each keeps its sink entry."""
-        sb, db, offs = src // self.bs, dst // self.bs, dst % self.bs
-        n = int(db.max()) + 1
-        blank = torch.full((n,), -1, dtype=torch.long, device=db.device)
-        count = torch.bincount(db, minlength=n)
-        shifted = torch.bincount(db, weights=(src % self.bs != offs).float(), minlength=n) > 0
-        first = blank.scatter_reduce(0, db, sb, "amin", include_self=False)
-        last = blank.scatter_reduce(0, db, sb, "amax", include_self=False)
-        low = blank.scatter_reduce(0, db, offs, "amin", include_self=False)
-        source = first.clamp_min(0)
-        keeps_sinks = torch.zeros(n, dtype=torch.bool, device=db.device)
-        ok = ~shifted & (first == last) & (first >= 0)
-        if self.stage is not None:
-            ok &= self.stage.lookup(source) < 0
-        if self.sink is not None:
-            has = self.sink.lookup(torch.arange(n, device=db.device)) >= 0
-            keeps_sinks = has & (low >= self.sinks)
-            ok &= (self.sink.lookup(source) < 0) | keeps_sinks
-        ok &= count == self.bs - keeps_sinks.long() * self.sinks
-        blocks = ok.nonzero()[:, 0]
-        return ok[db], blocks, first[blocks], keeps_sinks[blocks]
-
+    # ---- rows under sink entries, rewrites (compaction moves: QuantMoves in moves.py) ------------
     def _set_sink_rows(self, slots: torch.Tensor, rows: list[torch.Tensor | None]) -> None:
         """Rows written under a block's sink entry take its place there too (the entry overlays them)."""
         if self.sink is None:

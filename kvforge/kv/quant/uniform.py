@@ -64,6 +64,11 @@ class UniformCodec(Codec):
             parts += [((n_out,), index_dtype(block_size * heads * dim)), ((n_out,), PARAM_DTYPE)]
         return parts
 
+    def head_axes(self) -> list[int] | None:
+        if self.outlier_frac > 0:
+            return None
+        return [1] + [1 if self.axis == "token" else 0] * self.num_params  # codes [rows, heads, ...]
+
     def _groups(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """A view whose axis `red` runs over one group's members."""
         if self.axis == "token":
