@@ -40,9 +40,10 @@ def engine_device(config: EngineConfig, loaded: LoadedModel | None) -> torch.dev
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
-    tensor = next(model.parameters(), None)
-    if tensor is None:
-        tensor = next(model.buffers(), None)
+    """The device of the model's first real tensor: originals kept on the meta device beside their block or int8
+    form (models/int8_weights.py, quant_weights.py) hold no values and say nothing of where the model computes."""
+    tensors = (t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta")
+    tensor = next(tensors, None)
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
