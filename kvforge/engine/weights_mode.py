@@ -41,9 +41,9 @@ def engine_device(config: EngineConfig, loaded: LoadedModel | None) -> torch.dev
 
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of the model's first real tensor: originals kept on the meta device beside their block or int8
-    form (models/int8_weights.py, quant_weights.py) hold no values and say nothing of where the model computes."""
-    tensors = (t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta")
-    tensor = next(tensors, None)
+    form (models/int8_weights.py, quant_weights.py) hold no values and say nothing of where the model computes (a model wholly on meta is on meta)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensor = next((t for t in tensors if t.device.type != "meta"), tensors[0] if tensors else None)
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
