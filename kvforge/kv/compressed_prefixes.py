@@ -5,12 +5,14 @@ An entry is keyed by a namespace that names the method and its options (budget i
 and the context's token ids; it holds a reference on each of the compressed sequence's blocks (whole blocks only:
 the kept row count is a multiple of the block size, so no adopter ever writes into a shared block), the rows kept,
 and a copy of the policy's statistics (so an adopter is known as compressed and is not scored again). Entries go
-least recently used first when the allocator runs short, as prefix-tree leaves do.
+least recently used first when the allocator runs short, as prefix-tree leaves do (`on_reclaim` sees each first:
+the KV tiers' write-back).
 """
 from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,21 +33,24 @@ class CompressedPrefixes:
         self.entries: OrderedDict[tuple, CompressedPrefix] = OrderedDict()
         self.lengths: dict[int, int] = {}  # context length -> entries of that length (the lengths worth trying)
         self.stored = 0
+        self.on_reclaim: Callable[[str | None, list[int], CompressedPrefix], None] | None = None  # (salt, tokens, entry)
 
     def _key(self, salt: str | None, tokens) -> tuple:
         return self.namespace, salt, tuple(tokens)
 
-    def store(self, salt: str | None, tokens: list[int], block_tables: list[list[int]], rows: int, policy_state) -> None:
+    def store(self, salt: str | None, tokens: list[int], block_tables: list[list[int]], rows: int, policy_state) -> bool:
+        """Keep an entry; False when one of these tokens is kept already."""
         key = self._key(salt, tokens)
         if key in self.entries:
             self.entries.move_to_end(key)
-            return
+            return False
         tables = [list(t) for t in block_tables]
         for t in tables:
             self.allocator.incref(t)
         self.entries[key] = CompressedPrefix(tables, rows, len(tokens), copy.deepcopy(policy_state))
         self.lengths[len(tokens)] = self.lengths.get(len(tokens), 0) + 1
         self.stored += 1
+        return True
 
     def match(self, salt: str | None, tokens: list[int]) -> CompressedPrefix | None:
         """The longest stored context that is a strict prefix of tokens (one token at least is left to compute)."""
@@ -69,7 +74,9 @@ class CompressedPrefixes:
         """Drop least recently used entries until num_blocks blocks came free (or none is left)."""
         freed = 0
         while self.entries and freed < num_blocks:
-            _, entry = self.entries.popitem(last=False)
+            (_, salt, tokens), entry = self.entries.popitem(last=False)
+            if self.on_reclaim is not None:
+                self.on_reclaim(salt, list(tokens), entry)
             self.lengths[entry.num_tokens] -= 1
             if not self.lengths[entry.num_tokens]:
                 del self.lengths[entry.num_tokens]

@@ -12,6 +12,8 @@ every block, table and prefix-tree node itself:
   a block is cached    on_cached (write-through)
   a state checkpoint   on_checkpoint: taken (write-through) or evicted from the in-memory LRU (write-back)
   a block is reclaimed on_reclaimed (write-back), when `stores_reclaimed`
+  a compressed prompt  on_compressed: compressed (write-through) or given way in memory (write-back);
+                       start_compressed_load at admission, when memory holds none
   preemption           swap_out / swap_in / finish_swap_in
   free, abort          request_finished (a swapped request's record), cancel (a transfer in flight)
   close, stats         close(prefix tree) persists what a restart should find; stats
@@ -52,6 +54,7 @@ class Transfer:
     handle: Any = None  # the connector's own (a swap-in's private keys)
     state_load: tuple[int, bool] | None = None  # a recurrent model's prefix load: (tokens the pool held, count its
     # shortfall); its future gives a kvforge.kv.tiers.state_tiers.StateFetch
+    compressed: bool = False  # a compressed prompt's load: its future gives a CompressedFetch or None
 
 
 class KVConnector(ABC):
@@ -81,6 +84,14 @@ class KVConnector(ABC):
         found) and the tokens whose KV is known to be held."""
         return None, cached
 
+    def start_compressed_load(self, policy: str, tokens: list[int], salt: str | None) -> Transfer | None:
+        """Start fetching the longest compressed prompt (policy namespace `policy`) that is a strict prefix of
+        `tokens`; None when none is held."""
+        return None
+
+    def adopted_compressed(self, fetch) -> None:
+        """A compressed prompt that came in was adopted (counted)."""
+
     @abstractmethod
     def finish_load(self, block_ids: list[int], payloads: list[bytes]) -> None:
         """Import a prefix load's leading good payloads into `block_ids` (given by the manager)."""
@@ -95,6 +106,10 @@ class KVConnector(ABC):
 
     def on_checkpoint(self, tokens: list[int], salt: str | None, payload: Callable[[], bytes], taken: bool) -> None:
         """A state checkpoint after `tokens` was taken (`taken`) or left the in-memory LRU; `payload()` its bytes."""
+
+    def on_compressed(self, policy: str, salt: str | None, tokens: list[int], rows: int, policy_state,
+                      block_ids: list[int], compressed: bool) -> None:
+        """A compressed prompt of `tokens` in `block_ids` was just compressed (`compressed`) or leaves memory."""
 
     # -- swap ------------------------------------------------------------------------------------------
 

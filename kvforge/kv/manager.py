@@ -153,13 +153,21 @@ class KVCacheManager(StagingWindows, RecurrentStates):
             return False
         state = self.requests[req.request_id]
         tables = [t[: rows // self.block_size] for t in state.block_tables]
-        self.compressed.store(req.cache_salt, req.prompt_token_ids, tables, rows, policy_state)
+        if self.compressed.store(req.cache_salt, req.prompt_token_ids, tables, rows, policy_state) and self.connector:
+            self.connector.on_compressed(self.compressed.namespace, req.cache_salt, req.prompt_token_ids, rows,
+                                         policy_state, tables[0], compressed=True)
         return True
 
     def _match_compressed(self, req) -> int:
         entry = self.compressed.match(req.cache_salt, req.token_ids)
         if entry is None:
+            if self.connector is not None:
+                self.transfers.start_compressed_load(req)
             return req.num_computed_tokens
+        return self.adopt_compressed(req, entry)
+
+    def adopt_compressed(self, req, entry) -> int:
+        """req holds a kept compressed context (kvforge.kv.compressed_prefixes.CompressedPrefix) as its first tokens."""
         state = self._state(req)
         state.block_tables, state.policy_state = self.compressed.adopt(entry)
         state.num_evicted = entry.num_tokens - entry.rows
@@ -330,6 +338,11 @@ class KVCacheManager(StagingWindows, RecurrentStates):
     def attach_connector(self, connector: KVConnector) -> None:
         self.connector = connector
         self._attach_checkpoint_tiers()
+        if self.compressed is not None:
+            manager = weakref.proxy(self)
+            self.compressed.on_reclaim = lambda salt, tokens, entry: manager.connector.on_compressed(
+                manager.compressed.namespace, salt, tokens, entry.rows, entry.policy_state, entry.block_tables[0],
+                compressed=False)
         if self.prefix_tree is not None and connector.stores_reclaimed:
             manager = weakref.proxy(self)  # the tree is the manager's: no cycle back to it
             self.prefix_tree.on_reclaim = lambda node: manager._store_reclaimed(node)

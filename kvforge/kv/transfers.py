@@ -7,7 +7,8 @@ imports into them, and a prefix load's blocks enter the prefix tree, where the r
 never runs on half-loaded K/V: blocks after the first unreadable one are recomputed, and a swap-in that lost a block
 starts over by recompute. A recurrent model's state slot goes out with the blocks (Resume.state) and comes back
 into a slot taken at swap-in; its prefix load brings the deepest state checkpoint with the KV blocks up to it, which
-enter the prefix tree and the checkpoint store, and the request re-matches from there.
+enter the prefix tree and the checkpoint store, and the request re-matches from there. A compressed prompt (kvzip with
+reuse) comes into new blocks, is kept in memory for later requests, and the request adopts it.
 """
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ class ConnectorTransfers:
         load.state_load = (cached, count)
         kv._state(req).load = load
 
+    def start_compressed_load(self, req) -> None:
+        """No compressed prompt in memory starts req: fetch the longest the connector holds."""
+        kv = self.kv
+        load = kv.connector.start_compressed_load(kv.compressed.namespace, req.token_ids, req.cache_salt)
+        if load is not None:
+            kv._state(req).load = load
+
     def is_loading(self, req) -> bool:
         state = self.kv.requests.get(req.request_id)
         return state is not None and state.load is not None
@@ -61,6 +69,8 @@ class ConnectorTransfers:
         payloads = load.future.result()
         if load.state_load is not None:
             self._finish_state_load(req, load, payloads)
+        elif load.compressed:
+            self._finish_compressed_load(req, payloads)
         elif load.resume is not None:
             self._finish_swap_in(state, load, payloads)
         else:
@@ -125,6 +135,31 @@ class ConnectorTransfers:
                 tree.unlock(held.node)
         kv.checkpoints.put(checkpoint_key(salt, tokens), checkpoint, from_tier=True)
         return True
+
+    def _finish_compressed_load(self, req, fetch) -> None:
+        """A compressed prompt that came in: into new blocks, kept in memory, adopted by req. Nothing came, no room,
+        or payloads this pool does not take: req computes its prompt."""
+        kv = self.kv
+        n = len(fetch.payloads) if fetch is not None else 0
+        if not n:
+            return
+        if not kv.allocator.can_allocate(n):
+            kv._reclaim(n - kv.allocator.num_free)
+        if not kv.allocator.can_allocate(n):
+            return
+        ids = kv.allocator.allocate(n)
+        kv.peak_blocks_used = max(kv.peak_blocks_used, kv.allocator.num_used)
+        try:
+            kv.connector.block_io.import_blocks(ids, fetch.payloads)
+        except ValueError:
+            kv.allocator.decref(ids)
+            return
+        kv.compressed.store(req.cache_salt, req.token_ids[:fetch.num_tokens], [ids], fetch.rows, fetch.policy_state)
+        kv.allocator.decref(ids)  # the kept entry holds them (or these go back)
+        entry = kv.compressed.match(req.cache_salt, req.token_ids)
+        if entry is not None:
+            kv.adopt_compressed(req, entry)
+            kv.connector.adopted_compressed(fetch)
 
     def cancel(self, state: RequestKV) -> None:
         if state.load is not None:

@@ -142,6 +142,22 @@ class TierChain:
                 return t
         return None
 
+    def deepest(self, keys: list[BlockKey], local: bool = False) -> tuple[int, int] | None:
+        """(index, tier) of the last of `keys` that some tier holds (tier -1: a store still queued), None: none;
+        `local`: remote tiers are not called. Not counted in the tiers' block lookups (as `holder`)."""
+        with self._lock:
+            queued = [i for i, k in enumerate(keys) if k in self.pending]
+        best = (queued[-1], -1) if queued else None
+        for t, tier in enumerate(self.tiers):
+            ask = keys[best[0] + 1:] if best is not None else keys
+            if not ask or (local and tier.remote):
+                continue
+            found = self.call(t, tier.contains, ask, default=[False] * len(ask), load=True)
+            hits = [i for i, hit in enumerate(found) if hit]
+            if hits:
+                best = (len(keys) - len(ask) + hits[-1], t)
+        return best
+
     def submit(self, fn) -> Future:
         """Run fn() on the load worker."""
         return self._loader.submit(fn)

@@ -10,11 +10,13 @@ load. The request waits (the scheduler's `loading` list) until the manager's `fi
 blocks and this connector imports it. It never runs on half-loaded K/V, and no step waits for a tier.
 Swap preemption goes to the first tier under private keys (kvforge.kv.tiers.swap). A recurrent model's state
 checkpoints go beside its blocks (kvforge.kv.tiers.state_tiers), and its prefix loads bring the deepest one back.
+Compressed prompts (kvzip with reuse) go as one entry each (kvforge.kv.tiers.compressed_tiers).
 """
 from __future__ import annotations
 
 from kvforge.kv.connector import BlockIO, KVConnector, Resume, Transfer
 from kvforge.kv.tiers.chain import TierChain
+from kvforge.kv.tiers.compressed_tiers import CompressedTiers
 from kvforge.kv.tiers.keys import KeySpace
 from kvforge.kv.tiers.persist import close_tiers
 from kvforge.kv.tiers.state_tiers import StateTiers
@@ -28,6 +30,7 @@ class TierConnector(KVConnector):
         self.stores_reclaimed = bool(tiers.back_tiers)
         self.swap = SwapSpace(tiers, block_io)
         self.states = StateTiers(tiers, keys)
+        self.compressed = CompressedTiers(tiers, keys)
         self.held_checkpoints = None  # () -> the state checkpoints in memory, for close (set by the manager)
         self.hit_tokens = 0  # prompt tokens loaded from tiers (also counted in prefix_hit_tokens)
         self.close_stats: dict | None = None  # what close wrote and left (kvforge.kv.tiers.persist)
@@ -52,6 +55,13 @@ class TierConnector(KVConnector):
         future, kv_depth = self.states.start_load(tokens, salt, matched, cached)
         return (Transfer(future, [], matched, state_load=(cached, False)) if future is not None else None), kv_depth
 
+    def start_compressed_load(self, policy: str, tokens: list[int], salt: str | None) -> Transfer | None:
+        future = self.compressed.start_load(policy, salt, tokens)
+        return Transfer(future, [], 0, compressed=True) if future is not None else None
+
+    def adopted_compressed(self, fetch) -> None:
+        self.compressed.adopted(fetch)
+
     def finish_load(self, block_ids: list[int], payloads: list[bytes]) -> None:
         self.block_io.import_blocks(block_ids, payloads)
         self.hit_tokens += len(block_ids) * self.block_size
@@ -72,6 +82,12 @@ class TierConnector(KVConnector):
 
     def on_checkpoint(self, tokens: list[int], salt: str | None, payload, taken: bool) -> None:
         self.states.store(tokens, salt, payload, through=taken)
+
+    def on_compressed(self, policy: str, salt: str | None, tokens: list[int], rows: int, policy_state,
+                      block_ids: list[int], compressed: bool) -> None:
+        if self.tiers.through_tiers if compressed else self.tiers.back_tiers:
+            self.compressed.store(policy, salt, tokens, rows, policy_state, self.block_io.export_blocks(block_ids),
+                                  through=compressed)
 
     # -- swap -----------------------------------------------------------------------------------------
 
@@ -110,4 +126,5 @@ class TierConnector(KVConnector):
 
     def stats(self) -> dict:
         return {**self.tiers.stats_dict(), "tier_hit_tokens": self.hit_tokens, **(self.close_stats or {}),
-                **self.swap.stats(), **self.states.stats()}
+                **self.swap.stats(), **self.states.stats(),
+                **self.compressed.stats()}

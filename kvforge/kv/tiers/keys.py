@@ -15,6 +15,9 @@ model and the prompt (no Python `hash()`, no per-process seed), so every process
 different model, config, weights mode, draft, format, option, block size or tenant salt never matches. Entries are
 addressed by (KV group index, key). A recurrent model's state checkpoint after block i is the entry
 (STATE_GROUP, blake2b("state" || key[i])): the same chain (model, KV format, salt, tokens), in a group of its own.
+A compressed prompt (kvforge.kv.tiers.compressed_tiers) of n tokens is the entry (COMPRESSED_GROUP,
+blake2b(namespace || "compressed" || len || policy namespace || its n tokens)): the policy namespace names the
+method and every option (budget included), so another method or budget never matches.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ KEY_VERSION = 2
 DIGEST_BYTES = 16
 SAMPLES_PER_TENSOR = 4096
 STATE_GROUP = 255  # the entry group of recurrent state checkpoints (KV blocks are group 0)
+COMPRESSED_GROUP = 254  # the entry group of compressed prompts (kvzip with reuse)
 STATE_DTYPE = "float32"  # how a checkpoint's tensors are stored (kvforge.kv.state_pool.StatePool.checkpoint_payload)
 
 
@@ -134,3 +138,17 @@ class KeySpace:
     def state_key(self, block_key: BlockKey) -> BlockKey:
         """The key of the state checkpoint taken after the block `block_key` names (its whole prefix)."""
         return BlockKey(STATE_GROUP, _hash(b"state", block_key.digest))
+
+    def compressed_keys(self, policy: str, salt: str | None, tokens: Sequence[int], lengths: Sequence[int]
+                        ) -> list[BlockKey]:
+        """The keys of the compressed prompts `tokens[:n]`, n in `lengths` (ascending), under the policy namespace
+        `policy` (kvforge.kv.policies.base.KVPolicy.namespace)."""
+        name = policy.encode()
+        h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        h.update(self.namespace(salt) + b"compressed" + len(name).to_bytes(4, "little") + name)
+        ids, keys, done = np.asarray(tokens, dtype="<i8"), [], 0
+        for n in lengths:
+            h.update(ids[done:n].tobytes())
+            done = n
+            keys.append(BlockKey(COMPRESSED_GROUP, h.copy().digest()))
+        return keys
