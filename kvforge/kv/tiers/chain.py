@@ -144,18 +144,24 @@ class TierChain:
 
     def deepest(self, keys: list[BlockKey], local: bool = False) -> tuple[int, int] | None:
         """(index, tier) of the last of `keys` that some tier holds (tier -1: a store still queued), None: none;
-        `local`: remote tiers are not called. Not counted in the tiers' block lookups (as `holder`)."""
+        `local`: remote tiers are not called. Not counted in the tiers' block lookups (as `holder`). A remote tier is
+        asked once for all; a local one key by key from the last (a disk tier finds another process's files only
+        as a leading run of what it is asked)."""
         with self._lock:
             queued = [i for i, k in enumerate(keys) if k in self.pending]
         best = (queued[-1], -1) if queued else None
         for t, tier in enumerate(self.tiers):
-            ask = keys[best[0] + 1:] if best is not None else keys
-            if not ask or (local and tier.remote):
+            first = best[0] + 1 if best is not None else 0
+            if first >= len(keys) or (local and tier.remote):
                 continue
-            found = self.call(t, tier.contains, ask, default=[False] * len(ask), load=True)
-            hits = [i for i, hit in enumerate(found) if hit]
+            if tier.remote:
+                found = self.call(t, tier.contains, keys[first:], default=[False] * (len(keys) - first), load=True)
+                hits = [first + i for i, hit in enumerate(found) if hit]
+            else:
+                hits = next(([i] for i in range(len(keys) - 1, first - 1, -1)
+                             if self.call(t, tier.contains, [keys[i]], default=[False], load=True)[0]), [])
             if hits:
-                best = (len(keys) - len(ask) + hits[-1], t)
+                best = (hits[-1], t)
         return best
 
     def submit(self, fn) -> Future:

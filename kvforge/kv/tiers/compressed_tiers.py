@@ -80,14 +80,16 @@ class CompressedTiers:
         self.hits = 0  # compressed prompts adopted from a tier
         self.hit_tokens = 0
 
+    def key(self, policy: str, salt: str | None, tokens: list[int]) -> BlockKey:
+        return self.keys.compressed_keys(policy, salt, tokens, [len(tokens)])[0]
+
     def store(self, policy: str, salt: str | None, tokens: list[int], rows: int, policy_state: PolicyState,
               payloads: list[bytes], through: bool) -> None:
         """Queue one for the write-through tiers (`through`: just compressed) or the write-back chain (it left the
         in-memory entries)."""
         if not (self.tiers.through_tiers if through else self.tiers.back_tiers):
             return
-        key = self.keys.compressed_keys(policy, salt, tokens, [len(tokens)])[0]
-        items = [(key, encode(rows, len(tokens), policy_state, payloads))]
+        items = [(self.key(policy, salt, tokens), encode(rows, len(tokens), policy_state, payloads))]
         if self.tiers.store_through(items) if through else self.tiers.store(items):
             self.stored += 1
 

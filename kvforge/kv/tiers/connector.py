@@ -32,6 +32,7 @@ class TierConnector(KVConnector):
         self.states = StateTiers(tiers, keys)
         self.compressed = CompressedTiers(tiers, keys)
         self.held_checkpoints = None  # () -> the state checkpoints in memory, for close (set by the manager)
+        self.held_compressed = None  # () -> the compressed prompts in memory, for close (set by the manager)
         self.hit_tokens = 0  # prompt tokens loaded from tiers (also counted in prefix_hit_tokens)
         self.close_stats: dict | None = None  # what close wrote and left (kvforge.kv.tiers.persist)
 

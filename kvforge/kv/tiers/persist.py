@@ -1,7 +1,7 @@
 """Closing an engine's tiers so a restart keeps its KV cache.
 
 Write-through tiers already got every cached block; write-back tiers get a block only when it leaves the pool (or
-the host tier above), so at close the prefix tree's blocks and what host tiers hold are written to the shared
+the host tier above), so at close the prefix tree's blocks (and checkpoints, compressed prompts) and what host tiers hold are written to the shared
 write-back tiers (disk, Redis) that lack them, prefix tops first. Then the queued stores drain. All of it within a
 deadline: what did not make it is counted (`tier_close_unwritten_blocks`) and logged; nothing blocks shutdown.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvforge.kv.tiers.compressed_tiers import encode
 from kvforge.kv.tiers.keys import BlockKey
 
 CLOSE_TIMEOUT_S = 10.0
@@ -34,8 +35,8 @@ def close_tiers(connector, prefix_tree, timeout: float = CLOSE_TIMEOUT_S) -> dic
 
 
 def persist_cached(connector, tree, deadline: float) -> tuple[int, int]:
-    """Queue the prefix tree's blocks, the state checkpoints in memory, then host tiers' entries, for the shared
-    write-back tiers that lack them.
+    """Queue the prefix tree's blocks, the state checkpoints and compressed prompts in memory, then host tiers'
+    entries, for the shared write-back tiers that lack them.
     Returns (blocks queued, blocks left out at the deadline)."""
     chain = connector.tiers
     targets = [t for t in chain.back_tiers if chain.tiers[t].shared]
@@ -63,6 +64,18 @@ def persist_cached(connector, tree, deadline: float) -> tuple[int, int]:
         key = connector.states.key(tokens, salt)
         if _lacking(chain, [key], targets)[0]:
             if chain.store_to([(key, payload())], targets, push=False):
+                queued += 1
+            else:
+                skipped += 1
+    held = connector.held_compressed() if getattr(connector, "held_compressed", None) is not None else []
+    for policy, salt, tokens, rows, state, ids in held:  # kvzip's compressed prompts in memory
+        if time.monotonic() >= deadline:
+            skipped += 1
+            continue
+        key = connector.compressed.key(policy, salt, tokens)
+        if _lacking(chain, [key], targets)[0]:
+            payload = encode(rows, len(tokens), state, connector.block_io.export_blocks(ids))
+            if chain.store_to([(key, payload)], targets, push=False):
                 queued += 1
             else:
                 skipped += 1

@@ -95,6 +95,31 @@ def test_a_fresh_engine_on_the_disk_adopts_the_compressed_context(peaky_loaded, 
     second.close()
 
 
+def test_an_engine_beside_finds_what_the_other_wrote_after_it_opened(peaky_loaded, tmp_path):
+    disk = [f"disk:{tmp_path}:64MiB"]
+    beside = _engine(peaky_loaded, disk)  # indexed the directory while it was empty
+    first = _engine(peaky_loaded, disk)
+    _ask(first, CONTEXT)
+    first.close()
+    assert _ask(beside, CONTEXT + QUESTIONS[0]) == _answers_in_memory(peaky_loaded)[0]
+    assert beside.stats()["compressed_prefix_tier_hits"] == 1 and beside.stats()["kv_compactions"] == 0
+    beside.close()
+
+
+def test_close_writes_them_to_a_write_back_disk(peaky_loaded, tmp_path):
+    disk = [f"disk:{tmp_path}:64MiB"]
+    first = LLMEngine(EngineConfig(kv_cache_memory=4_000_000, block_size=8, kv_policy="kvzip", kv_policy_options=OPTIONS,
+                                   kv_tiers=disk, kv_tier_write_through=False), peaky_loaded)
+    _ask(first, CONTEXT)
+    assert first.stats()["compressed_prefixes_to_tiers"] == 0  # write-back: nothing yet
+    first.close()
+    assert first.stats()["tier_close_queued_blocks"] == 1
+    second = _engine(peaky_loaded, disk)
+    assert _ask(second, CONTEXT + QUESTIONS[0]) == _answers_in_memory(peaky_loaded)[0]
+    assert second.stats()["compressed_prefix_tier_hits"] == 1 and second.stats()["kv_compactions"] == 0
+    second.close()
+
+
 def test_another_budget_or_method_misses(peaky_loaded, tmp_path):
     disk = [f"disk:{tmp_path}:64MiB"]
     first = _engine(peaky_loaded, disk)
