@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvzip_reference import recompressed
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
-from kvforge.engine.scheduler import ScheduledBatch
-from kvforge.engine.sequence import Sequence
 from kvforge.errors import ConfigError
 from kvforge.sampling_params import SamplingParams
 
@@ -35,28 +34,6 @@ def _generate(engine, prompt, max_tokens):
     return out
 
 
-@torch.inference_mode()
-def _recompressed(engine, question: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """The context compressed on its own (its prompt), then the question and greedy tokens after it."""
-    seq = Sequence("ref", None, list(CONTEXT), SamplingParams(max_tokens=1), 0.0)
-    seq.token_ids = CONTEXT + question
-    runner, kv, ids, lps = engine.runner, engine.kv, [], []
-    try:
-        for n in [len(CONTEXT), len(question)] + [1] * (max_tokens - 1):
-            assert kv.allocate_slots(seq, n, prompt_window=False)
-            batch = ScheduledBatch([seq], [n])
-            hidden, _, stats = runner.forward(batch)
-            engine.commit(batch, stats)
-            if n == len(question) or len(ids):
-                logp = torch.log_softmax(runner.model.compute_logits(hidden[-1:]).float(), -1)[0]
-                ids.append(int(logp.argmax()))
-                lps.append(float(logp.max()))
-                seq.token_ids.append(ids[-1])
-    finally:
-        kv.free(seq)
-    return ids, lps
-
-
 def test_questions_reuse_the_compressed_context(peaky_loaded):
     engine = _engine(peaky_loaded, reuse=True)
     _generate(engine, CONTEXT, 1)  # the context on its own: scored, compressed and kept
@@ -69,7 +46,7 @@ def test_questions_reuse_the_compressed_context(peaky_loaded):
     reference = _engine(peaky_loaded, reuse=False, kv_policy_options={**OPTIONS, "budget": rows})
     for q in QUESTIONS:
         out = _generate(engine, CONTEXT + q, ANSWER)
-        ids, lps = _recompressed(reference, q, ANSWER)
+        ids, lps = recompressed(reference, CONTEXT, q, ANSWER)
         assert list(out.token_ids) == ids
         torch.testing.assert_close(torch.tensor([lp["logprob"] for lp in out.logprobs]), torch.tensor(lps),
                                    atol=2e-4, rtol=1e-4)

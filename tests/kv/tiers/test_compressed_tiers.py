@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import torch
+from kvzip_reference import recompressed
 
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
@@ -84,7 +85,11 @@ def test_a_fresh_engine_on_the_disk_adopts_the_compressed_context(peaky_loaded, 
     assert len([f for f in os.listdir(tmp_path) if f.endswith(SUFFIX)]) == 1
 
     second = _engine(peaky_loaded, disk)
-    assert [_ask(second, CONTEXT + q) for q in QUESTIONS] == _answers_in_memory(peaky_loaded)
+    answers = [_ask(second, CONTEXT + q) for q in QUESTIONS]
+    assert answers == _answers_in_memory(peaky_loaded)
+    rows = second.stats()["compressed_prefix_blocks"] * 8
+    reference = _engine(peaky_loaded, budget=rows, reuse=False)  # as many rows, kvzip's next best to the block edge
+    assert answers == [recompressed(reference, CONTEXT, q, GREEDY.max_tokens)[0] for q in QUESTIONS]
     s = second.stats()
     assert s["kv_compactions"] == 0  # no scoring pass: the context came compressed from the disk
     assert s["compressed_prefix_tier_hits"] == 1  # the first question loaded it; the others found it in memory
