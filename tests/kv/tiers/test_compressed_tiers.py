@@ -1,8 +1,8 @@
 """Compressed prompts in the KV tiers (kvzip with reuse): a context compressed once is stored in a disk, host or Redis
 tier under a key naming the model, format, salt, tokens, method and budget; a fresh engine on the same disk directory,
 an engine whose in-memory entry gave way (host), and a second process (Redis) adopt it with no scoring pass and
-answer the same greedy tokens as the engine that compressed it (which answers as recompressing:
-tests/engine/test_kvzip_reuse.py). Another budget or method misses; a corrupt entry or an abort leaks no block."""
+answer the same greedy tokens as the engine that compressed it and as recompressing the context. Another budget,
+option, KV format or salt misses; a corrupt entry is recompressed; an abort while loading leaks no block."""
 from __future__ import annotations
 
 import json
@@ -48,13 +48,13 @@ print(json.dumps({"answers": answers, "compactions": s["kv_compactions"], "hits"
 """
 
 
-def _engine(loaded, tiers=None, **options) -> LLMEngine:
+def _engine(loaded, tiers=None, config=None, **options) -> LLMEngine:
     return LLMEngine(EngineConfig(kv_cache_memory=4_000_000, block_size=8, kv_policy="kvzip",
-                                  kv_policy_options={**OPTIONS, **options}, kv_tiers=tiers), loaded)
+                                  kv_policy_options={**OPTIONS, **options}, kv_tiers=tiers, **(config or {})), loaded)
 
 
-def _ask(engine, prompt) -> list[int]:
-    rid = engine.add_request(prompt, GREEDY)
+def _ask(engine, prompt, salt: str | None = None) -> list[int]:
+    rid = engine.add_request(prompt, GREEDY, cache_salt=salt)
     out = None
     while engine.has_unfinished_requests():
         out = next((o for o in engine.step() if o.finished and o.request_id == rid), out)
@@ -125,14 +125,15 @@ def test_close_writes_them_to_a_write_back_disk(peaky_loaded, tmp_path):
     second.close()
 
 
-def test_another_budget_or_method_misses(peaky_loaded, tmp_path):
+def test_another_budget_option_format_or_salt_misses(peaky_loaded, tmp_path):
     disk = [f"disk:{tmp_path}:64MiB"]
     first = _engine(peaky_loaded, disk)
     _ask(first, CONTEXT)
     first.close()
-    for options in ({"budget": 0.25}, {"chunk": 16}):
-        other = _engine(peaky_loaded, disk, **options)
-        _ask(other, CONTEXT + QUESTIONS[0])
+    for config, options, salt in (({}, {"budget": 0.25}, None), ({}, {"chunk": 16}, None),
+                                  ({"kv_cache_dtype": "int8"}, {}, None), ({}, {}, "tenant")):
+        other = _engine(peaky_loaded, disk, config, **options)
+        _ask(other, CONTEXT + QUESTIONS[0], salt)
         s = other.stats()
         assert s["compressed_prefix_tier_hits"] == 0 and s["prefix_hit_tokens"] == 0
         assert s["kv_compactions"] == 1  # scored and compressed itself
