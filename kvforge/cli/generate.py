@@ -136,7 +136,7 @@ def kv_stats(engine, ids: list[int], outs) -> dict:
         "prompt_tokens": len(ids),
         "generated_tokens": sum(len(o.token_ids) for o in outs),
         "finish_reason": outs[0].finish_reason,
-        **{k: v for k, v in s.items() if k.startswith(("spec_", "tier_", "kv_tiers", "swap"))},
+        **{k: v for k, v in s.items() if k.startswith(("spec_", "tier_", "kv_tiers", "swap", "compressed_prefix", "kv_compactions"))},
         "kvforge_version": package_version(),
     }
 
