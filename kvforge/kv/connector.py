@@ -107,7 +107,7 @@ class KVConnector(ABC):
     def on_checkpoint(self, tokens: list[int], salt: str | None, payload: Callable[[], bytes], taken: bool) -> None:
         """A state checkpoint after `tokens` was taken (`taken`) or left the in-memory LRU; `payload()` its bytes."""
 
-    def on_compressed(self, policy: str, salt: str | None, tokens: list[int], rows: int, policy_state,
+    def on_compressed(self, policy: str, tokens: list[int], salt: str | None, rows: int, policy_state,
                       block_ids: list[int], compressed: bool) -> None:
         """A compressed prompt of `tokens` in `block_ids` was just compressed (`compressed`) or leaves memory."""
 

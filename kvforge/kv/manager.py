@@ -154,7 +154,7 @@ class KVCacheManager(StagingWindows, RecurrentStates):
         state = self.requests[req.request_id]
         tables = [t[: rows // self.block_size] for t in state.block_tables]
         if self.compressed.store(req.cache_salt, req.prompt_token_ids, tables, rows, policy_state) and self.connector:
-            self.connector.on_compressed(self.compressed.namespace, req.cache_salt, req.prompt_token_ids, rows,
+            self.connector.on_compressed(self.compressed.namespace, req.prompt_token_ids, req.cache_salt, rows,
                                          policy_state, tables[0], compressed=True)
         return True
 
@@ -339,20 +339,10 @@ class KVCacheManager(StagingWindows, RecurrentStates):
         self.connector = connector
         self._attach_checkpoint_tiers()
         if self.compressed is not None:
-            manager = weakref.proxy(self)
-            self.compressed.on_reclaim = lambda salt, tokens, entry: manager.connector.on_compressed(
-                manager.compressed.namespace, salt, tokens, entry.rows, entry.policy_state, entry.block_tables[0],
-                compressed=False)
-            connector.held_compressed = manager._held_compressed  # what close persists with the blocks
+            self.transfers.attach_compressed()
         if self.prefix_tree is not None and connector.stores_reclaimed:
             manager = weakref.proxy(self)  # the tree is the manager's: no cycle back to it
             self.prefix_tree.on_reclaim = lambda node: manager._store_reclaimed(node)
-
-    def _held_compressed(self) -> list[tuple]:
-        """The compressed prompts in memory as (policy namespace, salt, tokens, rows, policy state, block ids)."""
-        c = self.compressed
-        return [(c.namespace, salt, list(tokens), e.rows, e.policy_state, e.block_tables[0])
-                for (_, salt, tokens), e in c.entries.items()]
 
     def _store_reclaimed(self, node) -> None:
         salt, tokens = self.prefix_tree.path(node)

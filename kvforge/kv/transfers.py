@@ -43,6 +43,20 @@ class ConnectorTransfers:
         load.state_load = (cached, count)
         kv._state(req).load = load
 
+    def attach_compressed(self) -> None:
+        """Compressed prompts that give way in memory go to the connector (write-back), and close finds those held."""
+        kv = self.kv
+        kv.compressed.on_reclaim = lambda salt, tokens, entry: kv.connector.on_compressed(
+            kv.compressed.namespace, tokens, salt, entry.rows, entry.policy_state, entry.block_tables[0],
+            compressed=False)
+        kv.connector.held_compressed = self.held_compressed
+
+    def held_compressed(self) -> list[tuple]:
+        """The compressed prompts in memory as (policy namespace, salt, tokens, rows, policy state, block ids)."""
+        c = self.kv.compressed
+        return [(c.namespace, salt, list(tokens), e.rows, e.policy_state, e.block_tables[0])
+                for (_, salt, tokens), e in c.entries.items()]
+
     def start_compressed_load(self, req) -> None:
         """No compressed prompt in memory starts req: fetch the longest the connector holds."""
         kv = self.kv

@@ -84,7 +84,7 @@ class TierConnector(KVConnector):
     def on_checkpoint(self, tokens: list[int], salt: str | None, payload, taken: bool) -> None:
         self.states.store(tokens, salt, payload, through=taken)
 
-    def on_compressed(self, policy: str, salt: str | None, tokens: list[int], rows: int, policy_state,
+    def on_compressed(self, policy: str, tokens: list[int], salt: str | None, rows: int, policy_state,
                       block_ids: list[int], compressed: bool) -> None:
         if self.tiers.through_tiers if compressed else self.tiers.back_tiers:
             self.compressed.store(policy, salt, tokens, rows, policy_state, self.block_io.export_blocks(block_ids),
