@@ -12,6 +12,7 @@ from kvforge.units import parse_size
 KV_LAYOUTS = ("paged", "contiguous")
 PREEMPTION_MODES = (None, "recompute", "swap")
 WEIGHT_KINDS = ("auto", "fp32", "int8", "q8_0", "q4_0")
+PREFILL_ORDERS = ("shortest", "fcfs")
 
 
 @dataclass
@@ -30,6 +31,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's context length
     enable_chunked_prefill: bool = True
+    # the order waiting requests start in: "shortest" (fewest uncached prompt tokens first, in groups sized to a
+    # step's cost, a request overtaken by more than prefill_overtake_tokens goes first: engine/prefill_order.py) or
+    # "fcfs" (arrival order, vLLM's and SGLang's default); prefill_token_cost: a prefill token's share of a step's
+    # fixed cost, which sizes the groups
+    prefill_order: str = "shortest"
+    prefill_token_cost: float = 0.05
+    prefill_overtake_tokens: int = 8192
     enable_prefix_caching: bool = True
     # full | window | streaming | h2o | scissorhands | snapkv | tova | keydiff | expected_attention | kvzip; None = full
     kv_policy: str | None = None
@@ -84,6 +92,11 @@ class EngineConfig:
             (isinstance(self.kv_staging_share, (int, float)) and 0 < self.kv_staging_share <= 1,
              f"kv_staging_share must be in (0, 1], got {self.kv_staging_share!r}"),
             (self.weights in WEIGHT_KINDS, f"weights must be one of {WEIGHT_KINDS}, got {self.weights!r}"),
+            (self.prefill_order in PREFILL_ORDERS, f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}"),
+            (isinstance(self.prefill_token_cost, (int, float)) and self.prefill_token_cost > 0,
+             f"prefill_token_cost must be a number > 0 (a step's fixed cost is 1), got {self.prefill_token_cost!r}"),
+            (isinstance(self.prefill_overtake_tokens, int) and self.prefill_overtake_tokens >= 0,
+             f"prefill_overtake_tokens must be an integer >= 0, got {self.prefill_overtake_tokens!r}"),
         ]
         for ok, message in checks:
             if not ok:

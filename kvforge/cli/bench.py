@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvforge.cli.bench_output import MODEL_HELP, emit, output_options
-from kvforge.cli.common import add_engine_options, engine_kwargs, parse_size
+from kvforge.cli.common import add_engine_options, add_prefill_order, engine_kwargs, parse_size
 
 
 def register(sub) -> None:
@@ -57,6 +57,7 @@ def register(sub) -> None:
                    help="also run the shared-prompt workload in two processes through this tier, the second reusing "
                         "what the first stored: 'disk' (a fresh directory), 'redis' (a private redis-server), "
                         "disk:PATH:SIZE or redis://HOST:PORT (default: none, one process)")
+    add_prefill_order(x)
     output_options(x, model=True)
     x.set_defaults(func=run_prefix)
 
@@ -204,7 +205,7 @@ def run_prefix(args) -> int:
     r = prefix_bench(load_model(args.model), args.num_requests, args.system_len, tuple(args.question_len), args.max_tokens,
                      parse_size(args.budget), args.conversations, args.turns, args.seed, not args.no_progress,
                      args.max_num_seqs, parse_size(args.state_checkpoint_memory) if args.state_checkpoint_memory else None,
-                     args.kv_tiers, args.model)
+                     args.kv_tiers, args.model, args.prefill_order)
     r["random_weights"] = is_random(args.model)
     on, tiers = r["on"], r.get("tiers")
     emit(r, args.json, [

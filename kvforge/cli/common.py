@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvforge.config import WEIGHT_KINDS, EngineConfig
+from kvforge.config import PREFILL_ORDERS, WEIGHT_KINDS, EngineConfig
 from kvforge.errors import ConfigError
 from kvforge.kv.tiers.persist import CLOSE_TIMEOUT_S
 from kvforge.memcalc import parse_size
@@ -27,6 +27,7 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="most sequences running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="tokens per step (the chunked-prefill budget)")
+    add_prefill_order(g)
     g.add_argument("--max-model-len", "-c", "--ctx-size", type=int, default=None,
                    help="longest sequence, prompt + output (default: the model's context length, capped to what one "
                         "sequence can hold in the KV budget; the start-up line says when)")
@@ -70,6 +71,13 @@ def add_engine_options(p: argparse.ArgumentParser, model_option: bool = True) ->
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
                    help="what a preempted sequence's KV does: recomputed later, or swapped to host memory "
                         "(default: swap when --kv-policy evicts and a host tier is set, else recompute)")
+
+
+def add_prefill_order(g) -> None:
+    g.add_argument("--prefill-order", default=EngineConfig.prefill_order, choices=list(PREFILL_ORDERS),
+                   help="which waiting requests start first: shortest (fewest uncached prompt tokens first, in groups "
+                        "sized to a step's cost; none overtaken without bound) or fcfs (arrival order, vLLM's and "
+                        "SGLang's default); default: %(default)s")
 
 
 def add_format_options(g) -> None:
@@ -140,6 +148,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "prefill_order": args.prefill_order,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "kv_cache_groups": not args.no_kv_groups,

@@ -14,6 +14,7 @@ from kvforge.engine.combinations import check_combinations, check_compressed_reu
 from kvforge.engine.grammar import RequestGrammar
 from kvforge.engine.host_memory import keep_freed_memory, release_freed_memory
 from kvforge.engine.kv_budget import budget_split, size_kv
+from kvforge.engine.prefill_order import PrefillOrder
 from kvforge.engine.reconstruction import reconstruction_scores
 from kvforge.engine.runner import ModelRunner
 from kvforge.engine.scheduler import ScheduledBatch, Scheduler
@@ -86,8 +87,10 @@ class LLMEngine:
                                  self.max_model_len, prefix, self.max_num_seqs, self.groups, self.state_groups,
                                  self.checkpoint_bytes, config.state_checkpoint_interval)
         self.preemption_mode = config.resolve_preemption_mode(self.policy.evicts)
+        order = None if config.prefill_order == "fcfs" else PrefillOrder(config.prefill_token_cost,
+                                                                           config.prefill_overtake_tokens)
         self.scheduler = Scheduler(self.kv, self.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-                                   self.preemption_mode)
+                                   self.preemption_mode, order)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         self.runner = ModelRunner(self.loaded.model, self.kv, self.device, self.layer_windows, decode)
         if self.policy.evicts:

@@ -6,13 +6,15 @@ Each step gives a sequence min(remaining, token budget) new tokens, so prefill c
 share one batch; the drafts proposed for a decoding sequence count as new tokens and those that fit
 travel in the step's batch (`ScheduledBatch.draft_token_ids`), never on the sequence. Running
 sequences go first (oldest first); when blocks run out the newest running sequence is preempted:
-its blocks are freed (or swapped to a tier) and it returns to the front of the queue.
+its blocks are freed (or swapped to a tier) and it returns to the front of the queue. Waiting requests start in
+arrival order, or with a PrefillOrder (engine/prefill_order.py) shortest remaining prefill first, in step-sized groups.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvforge.engine.prefill_order import PrefillOrder, fresh
 from kvforge.engine.sequence import Sequence, SequenceStatus
 from kvforge.kv.manager import KVCacheManager
 
@@ -51,8 +53,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True,
-                 preemption_mode: str = "recompute"):
+                 preemption_mode: str = "recompute", prefill_order: PrefillOrder | None = None):
         self.kv = kv
+        self.prefill_order = prefill_order  # None: arrival order
         self.preemption_mode = preemption_mode
         self.recomputed_tokens = 0  # computed tokens thrown away by recompute preemptions
         self.max_num_seqs = max_num_seqs
@@ -100,8 +103,14 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         computing: set = set()  # first blocks that sequences admitted this step are computing right now
+        order, starts = self.prefill_order, None  # starts: fresh requests to start this step (None: as many as fit)
+        if order is not None and self.waiting and budget > 0:
+            starts = order.plan(self.waiting, self.kv.cached_prefix, budget, self.max_num_batched_tokens - budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            first_run = fresh(seq)
+            if starts is not None and first_run and starts <= 0:
+                break
             if self.kv.is_swapped(seq) and not self.kv.can_swap_in(seq):
                 if not self._ready_first():
                     break
@@ -127,6 +136,9 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+            if starts is not None and first_run:
+                starts -= 1
+                order.overtaken(self.waiting, seq, n)
 
     def _ready_first(self) -> bool:
         """Move waiting sequences that already hold their blocks (loaded or swapped in) to the front, so a swapped

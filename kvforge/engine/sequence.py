@@ -36,6 +36,7 @@ class Sequence:
         self.grammar = None  # engine/grammar.RequestGrammar for structured output; the engine feeds it every token
         self.logprobs: list[dict] = []
         self.num_returned = 0  # generated tokens already reported by step()
+        self.overtaken_tokens = 0  # prefill tokens of later requests started before it (engine/prefill_order.py)
 
     @property
     def num_tokens(self) -> int:

@@ -140,6 +140,14 @@ class KVCacheManager(StagingWindows, RecurrentStates):
             self.transfers.start_load(req, usable, num)
         return num
 
+    def cached_prefix(self, req) -> int:
+        """About how many leading tokens of a waiting request the prefix tree holds now: a look that adopts and
+        touches nothing (a recurrent model's checkpoints and compressed prefixes are not consulted)."""
+        if self.prefix_tree is None:
+            return 0
+        tokens = req.token_ids[:(req.num_tokens - 1) // self.block_size * self.block_size]
+        return min(tree.peek_prefix(tokens, req.cache_salt) for tree in self.prefix_trees)
+
     def keep_compressed(self, namespace: str) -> None:
         """Keep compressed contexts (store_compressed) for later prompts that start with them; the prefix tree is
         off under an evicting policy, so this is the only sharing then."""
