@@ -18,7 +18,7 @@ def _engine(loaded, dtype: str, budget: int, **options) -> LLMEngine:
 
 
 def test_kivi2_at_256_mib_keeps_most_of_the_budget_for_blocks(smol_loaded):
-    engine = _engine(smol_loaded, "kivi2", 256 * MiB)
+    engine = _engine(smol_loaded, "kivi2", 256 * MiB, prefill_order="fcfs")  # all start in one step if they may
     split = engine.kv_budget_split()
     assert split["kv_budget_bytes"] == 256 * MiB
     assert split["kv_block_bytes_total"] + split["kv_staging_bytes"] + split["kv_other_bytes"] == 256 * MiB
