@@ -227,3 +227,21 @@ def test_expected_attention_keeps_what_the_expected_query_needs_and_checks_optio
     assert p.keep(_seq(6, state=state)).tolist() == [[[1, 3, 5]]]
     with pytest.raises(ConfigError, match="window"):
         build_policy("expected_attention", {"budget": 0.5, "window": 0})
+
+
+def test_expected_attention_tells_sinks_and_recent_by_position_not_cache_index():
+    """Rows placed in place are out of order: with each row's logical position, the kept set is the same tokens as
+    for the rows in order (top_with_recent), and row_positions continues the recorded positions with the newest."""
+    from kvforge.kv.policies.base import top_with_recent
+    from kvforge.kv.policies.expected_attention import row_positions, top_with_newest
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.rand(2, 3, 40, generator=g)
+    want = top_with_recent(scores, 20, 6, 4)
+    assert torch.equal(top_with_newest(scores, torch.arange(40), 20, 6, 4), want)
+    perm = torch.stack([torch.stack([torch.randperm(40, generator=g) for _ in range(3)]) for _ in range(2)])
+    got = top_with_newest(scores.gather(-1, perm), perm, 20, 6, 4)
+    assert torch.equal(perm.gather(-1, got).sort(-1).values, want)
+    known = torch.tensor([[0, 1, 9, 3]])
+    assert row_positions(known, 7, 20).tolist() == [[0, 1, 9, 3, 17, 18, 19]]
+    assert row_positions(None, 3, 3).tolist() == [0, 1, 2]

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.errors import ConfigError
-from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView, top_with_recent
+from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView
+
+PLACEMENTS = ("in_place", "packed")
 
 
 @dataclass
@@ -24,7 +26,10 @@ class ExpectedAttentionPolicy(KVPolicy):
         512). On SmolLM2-135M at a running 50% (1,024 tokens of hamlet and merry-wives, worst text) window 256 and
         future 128 measured best: +5.39% against +8.66% for 64 and 512 (H2O: +9.73%).
     covariance: add the k'Sk term (False: the mean query alone). sinks / recent: first and newest tokens always
-    kept (recent: a count or a fraction of the budget).
+    kept (recent: a count or a fraction of the budget), told by their logical positions (PolicyState.positions).
+    placement: "in_place" (kept rows below the new cache length stay where they are, placement.py; without `heads`)
+        or "packed" (kept rows in order at the front). In place, an int4 cache's key blocks are not regrouped and
+        encoded again at every compaction.
     """
 
     name = "expected_attention"
@@ -37,6 +42,7 @@ class ExpectedAttentionPolicy(KVPolicy):
     sinks: int = 4
     recent: int | float = 0.25
     scope: str = "head"
+    placement: str = "in_place"
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,6 +54,12 @@ class ExpectedAttentionPolicy(KVPolicy):
             raise ConfigError(f"expected_attention: sinks must be an integer >= 0, got {self.sinks!r}")
         if not (isinstance(self.recent, int) and self.recent >= 0) and not (isinstance(self.recent, float) and 0 <= self.recent <= 1):
             raise ConfigError(f"expected_attention: recent must be a count >= 0 or a fraction in [0, 1], got {self.recent!r}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"expected_attention: placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+
+    @property
+    def places_in_place(self) -> bool:
+        return self.placement == "in_place" and self.heads is None
 
     @property
     def needs_queries(self) -> bool:
@@ -60,6 +72,11 @@ class ExpectedAttentionPolicy(KVPolicy):
     @property
     def weighs_values(self) -> bool:
         return True
+
+    def keep(self, seq: SequenceView, drop_unit: int = 1) -> torch.Tensor | None:
+        if self.should_compact(seq):
+            seq.state.positions = row_positions(seq.state.positions, seq.cache_len, seq.num_computed_tokens)
+        return super().keep(seq, drop_unit)
 
     def attention_rows(self, seq: SequenceView, num_new: int) -> int:
         return min(num_new, self.window)
@@ -88,7 +105,34 @@ class ExpectedAttentionPolicy(KVPolicy):
         scores = expected * state.values[..., :length]
         state.scores = scores
         sinks = min(self.sinks, budget)
-        return top_with_recent(scores, budget, min(self.num_recent(budget), budget - sinks), sinks)
+        positions = state.positions[..., :length] if state.positions is not None else torch.arange(length)
+        return top_with_newest(scores, positions, budget, min(self.num_recent(budget), budget - sinks), sinks)
+
+
+def row_positions(known: torch.Tensor | None, length: int, num_computed: int) -> torch.Tensor:
+    """Logical positions of a sequence's `length` cache rows: the recorded ones ([..., n]), then the rows written
+    since, which hold the newest tokens in order."""
+    n = 0 if known is None else min(known.shape[-1], length)
+    tail = torch.arange(n, length) + (num_computed - length)
+    if known is None:
+        return tail
+    return torch.cat([known[..., :n], tail.expand(*known.shape[:-1], -1)], dim=-1)
+
+
+def top_with_newest(scores: torch.Tensor, positions: torch.Tensor, budget: int, num_recent: int, sinks: int
+                    ) -> torch.Tensor:
+    """top_with_recent by logical position: rows at positions < sinks, the num_recent newest rows and the
+    highest-scoring others, budget in all, as sorted cache indices [..., budget]. positions: [..., length] or [length]."""
+    length = scores.shape[-1]
+    if budget >= length:
+        return torch.arange(length)
+    positions = positions.expand_as(scores)
+    protected = positions < sinks
+    if num_recent:
+        newest = positions.topk(num_recent, dim=-1).indices
+        protected = protected.scatter(-1, newest, True)
+    ranked = scores.masked_fill(protected, float("inf"))
+    return torch.sort(torch.topk(ranked, budget, dim=-1).indices, dim=-1).values
 
 
 def future_rotation(positions: torch.Tensor, inv_freq: torch.Tensor, future: int) -> tuple[torch.Tensor, torch.Tensor]:
