@@ -254,3 +254,15 @@ def test_expected_attention_tells_sinks_and_recent_by_position_not_cache_index()
     known = torch.tensor([[0, 1, 9, 3]])
     assert row_positions(known, 7, 20).tolist() == [[0, 1, 9, 3, 17, 18, 19]]
     assert row_positions(None, 3, 3).tolist() == [0, 1, 2]
+
+
+def test_expected_attention_memory_keeps_the_larger_of_the_new_and_the_decayed_previous_score():
+    from kvforge.kv.policies.expected_attention import carry_scores
+
+    scores = torch.tensor([[[0.1, 0.4, 0.2, 0.3]]])
+    previous = torch.tensor([[[2.0, 1.0, 1.0]]])  # rows 0-2 were kept last time; row 3 is new
+    got = carry_scores(scores, previous, 0.5)  # previous rescaled to scores' total over rows 0-2 (0.7): 0.35, .175, .175
+    torch.testing.assert_close(got, torch.tensor([[[0.175, 0.4, 0.2, 0.3]]]))
+    assert torch.equal(carry_scores(scores, torch.zeros(0), 0.5), scores)  # nothing kept before
+    with pytest.raises(ConfigError, match="memory"):
+        build_policy("expected_attention", {"budget": 0.5, "memory": 1.5})

@@ -30,7 +30,9 @@ class ExpectedAttentionPolicy(KVPolicy):
     kept (recent: a count or a fraction of the budget), told by their logical positions (PolicyState.positions).
     query_heads: how the query heads of a KV head combine their expected attention: "mean" (kvpress) or "max" (a key
         one query head expects to need keeps its weight). value_power: the value norm's exponent in the score (1: the
-        paper's product; 0: expected attention alone).
+        paper's product; 0: expected attention alone). memory: each compaction's score of a row is the larger of
+        the new one and memory x its score at the last compaction (rescaled to the new scores' total per head), so a
+        row the estimate wanted before is not dropped by the first compaction whose queries look elsewhere (0: off).
     placement: "in_place" (kept rows below the new cache length stay where they are, placement.py; without `heads`)
         or "packed" (kept rows in order at the front). In place, an int4 cache's key blocks are not regrouped and
         encoded again at every compaction.
@@ -48,6 +50,7 @@ class ExpectedAttentionPolicy(KVPolicy):
     scope: str = "head"
     query_heads: str = "mean"
     value_power: float = 1.0
+    memory: float = 0.0
     placement: str = "in_place"
 
     def __post_init__(self):
@@ -65,6 +68,8 @@ class ExpectedAttentionPolicy(KVPolicy):
                               f"got {self.query_heads!r}")
         if not isinstance(self.value_power, (int, float)) or isinstance(self.value_power, bool) or self.value_power < 0:
             raise ConfigError(f"expected_attention: value_power must be a number >= 0, got {self.value_power!r}")
+        if not isinstance(self.memory, (int, float)) or isinstance(self.memory, bool) or not 0 <= self.memory <= 1:
+            raise ConfigError(f"expected_attention: memory must be a number in [0, 1], got {self.memory!r}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"expected_attention: placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
 
@@ -115,10 +120,25 @@ class ExpectedAttentionPolicy(KVPolicy):
                                       self.covariance, self.query_heads)  # [layers, kv_heads, n]
         values = state.values[..., :length]
         scores = expected * (values if self.value_power == 1 else values ** self.value_power)
+        if self.memory:
+            scores = carry_scores(scores, state.scores, self.memory)
         positions = state.positions[..., :length] if state.positions is not None else torch.arange(length)
         state.scores = scores
         sinks = min(self.sinks, budget)
         return top_with_newest(scores, positions, budget, min(self.num_recent(budget), budget - sinks), sinks)
+
+
+def carry_scores(scores: torch.Tensor, previous: torch.Tensor, memory: float) -> torch.Tensor:
+    """scores [..., n] -> the larger of each and memory x the row's previous score ([..., m], the rows kept at the
+    last compaction, first; rows written since have none), the previous rescaled to the same total per head."""
+    if previous.dim() != scores.dim():
+        return scores
+    n = min(previous.shape[-1], scores.shape[-1])
+    old = previous[..., :n]
+    old = old / old.sum(-1, keepdim=True).clamp_min(1e-30) * scores[..., :n].sum(-1, keepdim=True)
+    out = scores.clone()
+    out[..., :n] = torch.maximum(scores[..., :n], memory * old)
+    return out
 
 
 def row_positions(known: torch.Tensor | None, length: int, num_computed: int) -> torch.Tensor:
