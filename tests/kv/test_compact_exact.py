@@ -6,6 +6,7 @@ moves keep a block's per-channel key groups for every head whose rows come whole
 import torch
 
 from kvforge.kv.formats import get_format
+from kvforge.kv.policies.compact import rows_to_write
 from kvforge.kv.spec import KVCacheSpec
 
 HEADS, DIM, BS, BLOCKS, ROWS = 2, 32, 16, 12, 150
@@ -115,3 +116,41 @@ def test_repeated_whole_block_drops_do_not_drift():
         for b, a in zip(before, after):
             assert torch.equal(a[coded], b[coded])
         length = m
+
+
+def _compact_heads(layer, placement: torch.Tensor) -> None:
+    """Move each head's rows as `placement` [heads, m] says (row placement[h, j] to index j), as compact does."""
+    m = placement.shape[-1]
+    index = torch.arange(m)
+    window(layer, m)
+    moved = rows_to_write((placement != index).any(0), BS)  # as compact(whole_blocks=True)
+    layer.move_heads(slots(placement[:, moved].T), slots(index[moved]), BS)
+
+
+def test_in_place_placement_keeps_the_codes_of_blocks_that_lost_no_row():
+    """Scattered drops that differ per head (as Expected Attention makes), placed in place: every (block, head) that
+    lost no row reads back bit for bit, keys included; packed in order, the blocks behind a head's first drop are
+    regrouped and their keys encoded again from decoded rows, which moves them."""
+    from kvforge.kv.policies.placement import in_place
+
+    drops = [[20, 48, 50, 51], [40, 64, 70, 100]]  # 48 and 64 open a block at its first row
+    kept = torch.stack([torch.tensor([i for i in range(ROWS) if i not in d]) for d in drops])  # [heads, m]
+    m = kept.shape[-1]
+    placement = in_place(kept, m // BS * BS)
+    assert placement[0, :24].tolist() == list(range(20)) + [144, 21, 22, 23]
+    assert placement[0, 144:].tolist() == [148, 149]
+    assert torch.equal(placement.sort(-1).values, kept)
+    untouched = torch.zeros(m, HEADS, dtype=torch.bool)  # coded blocks (below the window, 128) with no drop
+    for h, d in enumerate(drops):
+        for b in range(128 // BS):
+            untouched[b * BS:(b + 1) * BS, h] = all(i // BS != b for i in d)
+    results = {}
+    for name, where in (("in_place", placement), ("packed", kept)):
+        layer = filled()
+        before = layer.read_head_rows(slots(where.T), BS)
+        _compact_heads(layer, where)
+        after = layer.read_rows(slots(torch.arange(m)), BS)
+        coded = where.T < 128  # rows stored as codes (the window's were fp16: encoded once where they land)
+        assert torch.equal(after[1][coded], before[1][coded])  # values move as their per-token codes
+        results[name] = torch.equal(after[0][untouched & coded], before[0][untouched & coded])
+    assert results == {"in_place": True, "packed": False}

@@ -197,8 +197,8 @@ def _turn(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
     return torch.cat([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], dim=-1)
 
 
-@pytest.mark.parametrize("covariance", [False, True])
-def test_expected_attention_matches_an_explicit_gaussian_estimate(covariance):
+@pytest.mark.parametrize("covariance,query_heads", [(False, "mean"), (True, "mean"), (True, "max")])
+def test_expected_attention_matches_an_explicit_gaussian_estimate(covariance, query_heads):
     """Each recent query turned to every future position one by one, averaged, its covariance written out."""
     from kvforge.kv.policies.expected_attention import expected_attention
 
@@ -213,8 +213,9 @@ def test_expected_attention_matches_an_explicit_gaussian_estimate(covariance):
         cov = torch.stack([torch.cov(turned[0, h].T) for h in range(4)])  # [4, 8, 8]
         k = keys.repeat_interleave(2, 1)[0]
         logits = logits + torch.einsum("hnd,hde,hne->hn", k, cov, k)[None] / 16
-    want = torch.softmax(logits, -1).unflatten(1, (2, 2)).mean(2)
-    got = expected_attention(queries, positions, inv_freq, keys, future, covariance)
+    by_kv_head = torch.softmax(logits, -1).unflatten(1, (2, 2))
+    want = by_kv_head.amax(2) if query_heads == "max" else by_kv_head.mean(2)
+    got = expected_attention(queries, positions, inv_freq, keys, future, covariance, query_heads)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
@@ -225,5 +226,43 @@ def test_expected_attention_keeps_what_the_expected_query_needs_and_checks_optio
     state = PolicyState(keys=keys, values=torch.ones(1, 1, 6))
     p.observe_queries(state, torch.tensor([[[[1.0, 0.0]]]]), torch.tensor([5]), torch.tensor([1e-4]))
     assert p.keep(_seq(6, state=state)).tolist() == [[[1, 3, 5]]]
+    state.values = torch.tensor([[[0.9, 0.01, 1.0, 1.0, 1.0, 1.0]]])  # key 1 carries almost nothing
+    assert p.keep(_seq(6, state=state)).tolist() == [[[3, 4, 5]]]
+    alone = build_policy("expected_attention", {"budget": 3, "slack": 0, "sinks": 0, "recent": 1, "covariance": False,
+                                                "value_power": 0.0})
+    assert alone.keep(_seq(6, state=state)).tolist() == [[[1, 3, 5]]]  # expected attention alone
     with pytest.raises(ConfigError, match="window"):
         build_policy("expected_attention", {"budget": 0.5, "window": 0})
+    for bad in ({"query_heads": "sum"}, {"value_power": -1}, {"placement": "sorted"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            build_policy("expected_attention", {"budget": 0.5, **bad})
+
+
+def test_expected_attention_tells_sinks_and_recent_by_position_not_cache_index():
+    """Rows placed in place are out of order: with each row's logical position, the kept set is the same tokens as
+    for the rows in order (top_with_recent), and row_positions continues the recorded positions with the newest."""
+    from kvforge.kv.policies.base import top_with_recent
+    from kvforge.kv.policies.expected_attention import row_positions, top_with_newest
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.rand(2, 3, 40, generator=g)
+    want = top_with_recent(scores, 20, 6, 4)
+    assert torch.equal(top_with_newest(scores, torch.arange(40), 20, 6, 4), want)
+    perm = torch.stack([torch.stack([torch.randperm(40, generator=g) for _ in range(3)]) for _ in range(2)])
+    got = top_with_newest(scores.gather(-1, perm), perm, 20, 6, 4)
+    assert torch.equal(perm.gather(-1, got).sort(-1).values, want)
+    known = torch.tensor([[0, 1, 9, 3]])
+    assert row_positions(known, 7, 20).tolist() == [[0, 1, 9, 3, 17, 18, 19]]
+    assert row_positions(None, 3, 3).tolist() == [0, 1, 2]
+
+
+def test_expected_attention_memory_keeps_the_larger_of_the_new_and_the_decayed_previous_score():
+    from kvforge.kv.policies.expected_attention import carry_scores
+
+    scores = torch.tensor([[[0.1, 0.4, 0.2, 0.3]]])
+    previous = torch.tensor([[[2.0, 1.0, 1.0]]])  # rows 0-2 were kept last time; row 3 is new
+    got = carry_scores(scores, previous, 0.5)  # previous rescaled to scores' total over rows 0-2 (0.7): 0.35, .175, .175
+    torch.testing.assert_close(got, torch.tensor([[[0.175, 0.4, 0.2, 0.3]]]))
+    assert torch.equal(carry_scores(scores, torch.zeros(0), 0.5), scores)  # nothing kept before
+    with pytest.raises(ConfigError, match="memory"):
+        build_policy("expected_attention", {"budget": 0.5, "memory": 1.5})

@@ -34,6 +34,7 @@ class PolicyState:
     queries: torch.Tensor | None = None  # [layers, query heads, window, dim] recent queries (expected_attention)
     query_positions: torch.Tensor | None = None  # [window] their RoPE positions
     inv_freq: torch.Tensor | None = None  # the model's RoPE frequencies, with the queries
+    positions: torch.Tensor | None = None  # [layers, heads, n] logical position of each of the first n rows
 
     def grow(self, length: int, lead: tuple[int, ...] = ()) -> None:
         """Pad every statistic to `length` cache indices; `lead` (layers, heads) shapes new per-layer ones."""
@@ -51,6 +52,8 @@ class PolicyState:
             self.history = _take_last(self.history, keep)
         if self.values is not None:
             self.values = _take_last(self.values, keep)
+        if self.positions is not None:
+            self.positions = _take_last(self.positions, keep)
         self.keys = None  # read again at the next compaction
 
     def values_known(self, length: int) -> int:
@@ -154,6 +157,12 @@ class KVPolicy:
     def query_heads(self) -> str:
         """How the attention of the query heads sharing a KV head combines before the policy sees it: sum or max."""
         return "sum"
+
+    @property
+    def places_in_place(self) -> bool:
+        """Kept rows may stay at their cache index (placement.in_place): the policy tells age by
+        PolicyState.positions, not by cache index."""
+        return False
 
     @property
     def reuses_prefixes(self) -> bool:

@@ -11,6 +11,7 @@ from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView
 from kvforge.kv.policies.compact import compact, full_attention_layers
 from kvforge.kv.policies.head_roles import load_roles
 from kvforge.kv.policies.keys import key_rows
+from kvforge.kv.policies.placement import in_place
 from kvforge.kv.policies.stats import AttentionStats
 from kvforge.kv.policies.values import value_norms
 
@@ -34,6 +35,7 @@ class Evictor:
         if policy.needs_queries and self.inv_freq is None:
             raise ConfigError(f"kv_policy {policy.name!r} needs the model's RoPE frequencies; this model has none")
         self.drop_unit = kv.format.drop_unit(kv.spec, kv.block_size)  # whole blocks where rows share parameters
+        self.in_place = policy.places_in_place and self.roles is None and not policy.reuses_prefixes
         self.evicted_tokens = 0
         self.compactions = 0
         self.compact_seconds = 0.0
@@ -110,9 +112,11 @@ class Evictor:
                 self._record_values(seq, view.state, view.cache_len, 0)
             if self.policy.reads_keys and self.policy.should_compact(view):
                 view.state.keys = key_rows(self.kv, seq, view.cache_len)
-            keep = self.policy.keep(view, self.drop_unit)
+            keep = self.policy.keep(view, 1 if self.in_place else self.drop_unit)  # in place, nothing shifts
             if keep is None:
                 continue
+            if self.in_place:
+                keep = in_place(keep, keep.shape[-1] // self.drop_unit * self.drop_unit)
             if self.policy.reuses_prefixes:
                 keep = self._whole_blocks(keep, view)
             if self.roles is not None:
@@ -120,7 +124,7 @@ class Evictor:
                 keep = self.roles.apply(keep, view.cache_len, alone)
             start = time.perf_counter()
             view.state.grow(view.cache_len)
-            self.evicted_tokens += compact(self.kv, seq, keep, self.rotary)
+            self.evicted_tokens += compact(self.kv, seq, keep, self.rotary, whole_blocks=self.in_place)
             view.state.compact(keep)
             self.compactions += 1
             self.compact_seconds += time.perf_counter() - start

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.errors import ConfigError
-from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView, top_with_recent
+from kvforge.kv.policies.base import KVPolicy, PolicyState, SequenceView
+
+PLACEMENTS = ("in_place", "packed")
+QUERY_HEADS = ("mean", "max")
 
 
 @dataclass
@@ -24,7 +27,15 @@ class ExpectedAttentionPolicy(KVPolicy):
         512). On SmolLM2-135M at a running 50% (1,024 tokens of hamlet and merry-wives, worst text) window 256 and
         future 128 measured best: +5.39% against +8.66% for 64 and 512 (H2O: +9.73%).
     covariance: add the k'Sk term (False: the mean query alone). sinks / recent: first and newest tokens always
-    kept (recent: a count or a fraction of the budget).
+    kept (recent: a count or a fraction of the budget), told by their logical positions (PolicyState.positions).
+    query_heads: how the query heads of a KV head combine their expected attention: "mean" (kvpress) or "max" (a key
+        one query head expects to need keeps its weight). value_power: the value norm's exponent in the score (1: the
+        paper's product; 0: expected attention alone). memory: each compaction's score of a row is the larger of
+        the new one and memory x its score at the last compaction (rescaled to the new scores' total per head), so a
+        row the estimate wanted before is not dropped by the first compaction whose queries look elsewhere (0: off).
+    placement: "in_place" (kept rows below the new cache length stay where they are, placement.py; without `heads`)
+        or "packed" (kept rows in order at the front). In place, an int4 cache's key blocks are not regrouped and
+        encoded again at every compaction.
     """
 
     name = "expected_attention"
@@ -37,6 +48,10 @@ class ExpectedAttentionPolicy(KVPolicy):
     sinks: int = 4
     recent: int | float = 0.25
     scope: str = "head"
+    query_heads: str = "mean"
+    value_power: float = 1.0
+    memory: float = 0.0
+    placement: str = "in_place"
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,6 +63,19 @@ class ExpectedAttentionPolicy(KVPolicy):
             raise ConfigError(f"expected_attention: sinks must be an integer >= 0, got {self.sinks!r}")
         if not (isinstance(self.recent, int) and self.recent >= 0) and not (isinstance(self.recent, float) and 0 <= self.recent <= 1):
             raise ConfigError(f"expected_attention: recent must be a count >= 0 or a fraction in [0, 1], got {self.recent!r}")
+        if self.query_heads not in QUERY_HEADS:
+            raise ConfigError(f"expected_attention: query_heads must be one of {', '.join(QUERY_HEADS)}, "
+                              f"got {self.query_heads!r}")
+        if not isinstance(self.value_power, (int, float)) or isinstance(self.value_power, bool) or self.value_power < 0:
+            raise ConfigError(f"expected_attention: value_power must be a number >= 0, got {self.value_power!r}")
+        if not isinstance(self.memory, (int, float)) or isinstance(self.memory, bool) or not 0 <= self.memory <= 1:
+            raise ConfigError(f"expected_attention: memory must be a number in [0, 1], got {self.memory!r}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"expected_attention: placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+
+    @property
+    def places_in_place(self) -> bool:
+        return self.placement == "in_place" and self.heads is None
 
     @property
     def needs_queries(self) -> bool:
@@ -60,6 +88,11 @@ class ExpectedAttentionPolicy(KVPolicy):
     @property
     def weighs_values(self) -> bool:
         return True
+
+    def keep(self, seq: SequenceView, drop_unit: int = 1) -> torch.Tensor | None:
+        if self.should_compact(seq):
+            seq.state.positions = row_positions(seq.state.positions, seq.cache_len, seq.num_computed_tokens)
+        return super().keep(seq, drop_unit)
 
     def attention_rows(self, seq: SequenceView, num_new: int) -> int:
         return min(num_new, self.window)
@@ -84,11 +117,54 @@ class ExpectedAttentionPolicy(KVPolicy):
             raise ValueError("expected_attention: the Evictor must record queries and keys before select")
         keys = state.keys[..., :length, :]  # [layers, kv_heads, n, dim]
         expected = expected_attention(state.queries, state.query_positions, state.inv_freq, keys, self.future,
-                                      self.covariance)  # [layers, kv_heads, n]
-        scores = expected * state.values[..., :length]
+                                      self.covariance, self.query_heads)  # [layers, kv_heads, n]
+        values = state.values[..., :length]
+        scores = expected * (values if self.value_power == 1 else values ** self.value_power)
+        if self.memory:
+            scores = carry_scores(scores, state.scores, self.memory)
+        positions = state.positions[..., :length] if state.positions is not None else torch.arange(length)
         state.scores = scores
         sinks = min(self.sinks, budget)
-        return top_with_recent(scores, budget, min(self.num_recent(budget), budget - sinks), sinks)
+        return top_with_newest(scores, positions, budget, min(self.num_recent(budget), budget - sinks), sinks)
+
+
+def carry_scores(scores: torch.Tensor, previous: torch.Tensor, memory: float) -> torch.Tensor:
+    """scores [..., n] -> the larger of each and memory x the row's previous score ([..., m], the rows kept at the
+    last compaction, first; rows written since have none), the previous rescaled to the same total per head."""
+    if previous.dim() != scores.dim():
+        return scores
+    n = min(previous.shape[-1], scores.shape[-1])
+    old = previous[..., :n]
+    old = old / old.sum(-1, keepdim=True).clamp_min(1e-30) * scores[..., :n].sum(-1, keepdim=True)
+    out = scores.clone()
+    out[..., :n] = torch.maximum(scores[..., :n], memory * old)
+    return out
+
+
+def row_positions(known: torch.Tensor | None, length: int, num_computed: int) -> torch.Tensor:
+    """Logical positions of a sequence's `length` cache rows: the recorded ones ([..., n]), then the rows written
+    since, which hold the newest tokens in order."""
+    n = 0 if known is None else min(known.shape[-1], length)
+    tail = torch.arange(n, length) + (num_computed - length)
+    if known is None:
+        return tail
+    return torch.cat([known[..., :n], tail.expand(*known.shape[:-1], -1)], dim=-1)
+
+
+def top_with_newest(scores: torch.Tensor, positions: torch.Tensor, budget: int, num_recent: int, sinks: int
+                    ) -> torch.Tensor:
+    """top_with_recent by logical position: rows at positions < sinks, the num_recent newest rows and the
+    highest-scoring others, budget in all, as sorted cache indices [..., budget]. positions: [..., length] or [length]."""
+    length = scores.shape[-1]
+    if budget >= length:
+        return torch.arange(length)
+    positions = positions.expand_as(scores)
+    protected = positions < sinks
+    if num_recent:
+        newest = positions.topk(num_recent, dim=-1).indices
+        protected = protected.scatter(-1, newest, True)
+    ranked = scores.masked_fill(protected, float("inf"))
+    return torch.sort(torch.topk(ranked, budget, dim=-1).indices, dim=-1).values
 
 
 def future_rotation(positions: torch.Tensor, inv_freq: torch.Tensor, future: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,9 +176,10 @@ def future_rotation(positions: torch.Tensor, inv_freq: torch.Tensor, future: int
 
 
 def expected_attention(queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, keys: torch.Tensor,
-                       future: int, covariance: bool = True) -> torch.Tensor:
+                       future: int, covariance: bool = True, query_heads: str = "mean") -> torch.Tensor:
     """queries [L, H, k, d] (after RoPE), keys [L, KVH, n, d] (after RoPE) -> [L, KVH, n]: each key's expected
-    share of a future query's attention, averaged over the query heads of its KV head (rotate-half RoPE)."""
+    share of a future query's attention, averaged (or max: query_heads) over the query heads of its KV head
+    (rotate-half RoPE)."""
     cos, sin = future_rotation(positions.to(inv_freq.device), inv_freq.float().cpu(), future)
     half = queries.shape[-1] // 2
     a, b = queries[..., :half], queries[..., half:]
@@ -117,4 +194,5 @@ def expected_attention(queries: torch.Tensor, positions: torch.Tensor, inv_freq:
         cov = centered.transpose(-1, -2) @ centered / (turned.shape[2] - 1)  # [L, H, d, d]
         logits = logits + ((k @ cov) * k).sum(-1) / (2 * d)
     probs = torch.softmax(logits, dim=-1)
-    return probs.unflatten(1, (keys.shape[1], group)).mean(2)
+    by_kv_head = probs.unflatten(1, (keys.shape[1], group))
+    return by_kv_head.amax(2) if query_heads == "max" else by_kv_head.mean(2)
