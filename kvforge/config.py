@@ -31,11 +31,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's context length
     enable_chunked_prefill: bool = True
-    # the order waiting requests start in: "shortest" (fewest uncached prompt tokens first, in groups sized to a
-    # step's cost, a request overtaken by more than prefill_overtake_tokens goes first: engine/prefill_order.py) or
-    # "fcfs" (arrival order, vLLM's and SGLang's default); prefill_token_cost: a prefill token's share of a step's
-    # fixed cost, which sizes the groups
-    prefill_order: str = "shortest"
+    # the order waiting requests start in: "fcfs" (arrival order, vLLM's and SGLang's default) or "shortest" (fewest
+    # uncached prompt tokens first, in groups sized to a step's cost, a request overtaken by more than
+    # prefill_overtake_tokens goes first: engine/prefill_order.py); prefill_token_cost: a prefill token's share of a
+    # step's fixed cost, which sizes the groups
+    prefill_order: str = "fcfs"
     prefill_token_cost: float = 0.05
     prefill_overtake_tokens: int = 8192
     enable_prefix_caching: bool = True

@@ -13,7 +13,7 @@ from kvforge.engine.engine import LLMEngine
 
 def shared_prompt_scenario(loaded, caching: bool, num_requests: int, system_len: int, question_len: tuple[int, int],
                            max_tokens: int, budget: int, seed: int, show: bool, max_num_seqs: int = 64,
-                           checkpoint_memory: int | None = None, prefill_order: str = "shortest") -> dict:
+                           checkpoint_memory: int | None = None, prefill_order: str = "fcfs") -> dict:
     prompts = shared_prompts(loaded.config.vocab_size, num_requests, system_len, question_len, seed)
     engine = LLMEngine(shared_prompt_config(caching, system_len, question_len, max_tokens, budget, max_num_seqs,
                                             checkpoint_memory, prefill_order=prefill_order), loaded)
@@ -27,7 +27,7 @@ def shared_prompt_scenario(loaded, caching: bool, num_requests: int, system_len:
 
 
 def multiturn_scenario(loaded, conversations: int, turns: int, question_len: tuple[int, int], max_tokens: int,
-                       budget: int, seed: int, show: bool, max_num_seqs: int = 64, prefill_order: str = "shortest") -> dict:
+                       budget: int, seed: int, show: bool, max_num_seqs: int = 64, prefill_order: str = "fcfs") -> dict:
     rng = random.Random(seed + 1)
     vocab = loaded.config.vocab_size
     engine = LLMEngine(EngineConfig(kv_cache_memory=budget, max_num_seqs=max_num_seqs,
@@ -50,7 +50,7 @@ def multiturn_scenario(loaded, conversations: int, turns: int, question_len: tup
 def prefix_bench(loaded, num_requests: int = 100, system_len: int = 2000, question_len=(50, 200), max_tokens: int = 32,
                  budget: int = 4 << 30, conversations: int = 20, turns: int = 5, seed: int = 0, show: bool = True,
                  max_num_seqs: int = 64, checkpoint_memory: int | None = None, kv_tier: str | None = None,
-                 model_path: str | None = None, prefill_order: str = "shortest") -> dict:
+                 model_path: str | None = None, prefill_order: str = "fcfs") -> dict:
     """checkpoint_memory: a recurrent model's state checkpoint budget (None: the engine's default, 1/8 of `budget`).
     kv_tier (with the model's `model_path`): also run the shared-prompt workload in two more processes through that
     tier (kvforge.bench.prefix_tiers), the second reusing what the first stored. prefill_order: EngineConfig's."""

@@ -82,12 +82,12 @@ def engine_with(smol_loaded, lengths: list[int], **options) -> LLMEngine:
 def test_shortest_first_starts_the_short_prompts_before_the_long_one(smol_loaded):
     lengths = [400, 30, 200, 60]
     assert started(engine_with(smol_loaded, lengths, prefill_order="fcfs")) == ["r0", "r1", "r2", "r3"]
-    assert started(engine_with(smol_loaded, lengths)) == ["r1", "r3", "r2", "r0"]
+    assert started(engine_with(smol_loaded, lengths, prefill_order="shortest")) == ["r1", "r3", "r2", "r0"]
 
 
 def test_a_request_overtaken_by_more_than_the_bound_goes_first(smol_loaded):
     lengths = [400] + [100] * 6
-    order = started(engine_with(smol_loaded, lengths, prefill_overtake_tokens=250))
+    order = started(engine_with(smol_loaded, lengths, prefill_order="shortest", prefill_overtake_tokens=250))
     assert order.index("r0") == 3  # overtaken by 300 tokens (> 250) after three others started
 
 
