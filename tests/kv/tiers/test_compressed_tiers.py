@@ -158,11 +158,17 @@ def test_a_host_tier_keeps_what_memory_gave_way(peaky_loaded):
     engine.close()
 
 
-def test_a_corrupt_entry_is_recompressed(peaky_loaded, tmp_path):
-    disk = [f"disk:{tmp_path}:64MiB"]
-    first = _engine(peaky_loaded, disk)
+def _stored_on_disk(loaded, directory) -> list[str]:
+    """A disk tier at `directory` holding CONTEXT compressed by an engine that has closed."""
+    disk = [f"disk:{directory}:64MiB"]
+    first = _engine(loaded, disk)
     _ask(first, CONTEXT)
     first.close()
+    return disk
+
+
+def test_a_corrupt_entry_is_recompressed(peaky_loaded, tmp_path):
+    disk = _stored_on_disk(peaky_loaded, tmp_path)
     (entry,) = [tmp_path / f for f in os.listdir(tmp_path) if f.endswith(SUFFIX)]
     entry.write_bytes(entry.read_bytes()[:-100])  # truncated
     second = _engine(peaky_loaded, disk)
@@ -174,10 +180,7 @@ def test_a_corrupt_entry_is_recompressed(peaky_loaded, tmp_path):
 
 
 def test_an_abort_while_loading_frees_every_block(peaky_loaded, tmp_path):
-    disk = [f"disk:{tmp_path}:64MiB"]
-    first = _engine(peaky_loaded, disk)
-    _ask(first, CONTEXT)
-    first.close()
+    disk = _stored_on_disk(peaky_loaded, tmp_path)
     second = _engine(peaky_loaded, disk)
     rid = second.add_request(CONTEXT + QUESTIONS[0], GREEDY)
     second.step()  # admission: the load starts, the request waits for it
