@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from kvforge.engine.step_cost import ROW_COST
 from kvforge.errors import ConfigError
 
 METHODS = ("ngram", "layer_skip", "draft")
@@ -39,9 +40,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 16
     adaptive: bool = True
-    verify_row_cost: float = 0.09
+    verify_row_cost: float = ROW_COST
     bridge_jump: float = 0.02
-    bridge_row_cost: float = 0.09
+    bridge_row_cost: float = ROW_COST
     acceptance_smoothing: float = 0.5
     probe_interval: int = 4
     max_probe_interval: int = 64

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvforge.engine.sequence import Sequence
+from kvforge.engine.step_cost import ROW_COST
 
 MAX_PLANNED = 32  # requests the split looks at a step (the rest wait their turn in order)
 
@@ -22,14 +23,19 @@ MAX_PLANNED = 32  # requests the split looks at a step (the rest wait their turn
 class PrefillOrder:
     token_cost: float  # one prefill token's cost as a fraction of a step's fixed cost
     overtake_tokens: int  # later requests' prefill tokens a waiting request lets go first, at most
-    row_cost: float = 0.09  # one row already in the step (a decode), the same unit
+    row_cost: float = ROW_COST  # one row already in the step (a decode), the same unit
 
     def plan(self, waiting: deque[Sequence], cached, budget: int, rows: int) -> int:
         """Reorder `waiting` in place and return how many fresh requests (never run, not held back) to admit this
         step. cached(seq): the tokens of seq the prefix cache already holds; rows: rows already in the step."""
-        held = [s for s in waiting if not fresh(s)]
-        starved = [s for s in waiting if fresh(s) and s.overtaken_tokens > self.overtake_tokens]
-        rest = [s for s in waiting if fresh(s) and s.overtaken_tokens <= self.overtake_tokens]
+        held, starved, rest = [], [], []
+        for s in waiting:
+            if not fresh(s):
+                held.append(s)
+            elif s.overtaken_tokens > self.overtake_tokens:
+                starved.append(s)
+            else:
+                rest.append(s)
         works = {s.request_id: max(1, s.num_tokens - cached(s)) for s in rest[:4 * MAX_PLANNED]}
         rest[:len(works)] = sorted(rest[:len(works)], key=lambda s: works[s.request_id])
         waiting.clear()

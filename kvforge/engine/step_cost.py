@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ROW_COST = 0.09  # one more row in a step, as a share of a step's fixed cost (`kvforge bench spec --verify-cost`)
+
 
 @dataclass(frozen=True)
 class StepCost:

@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from kvforge.kv.blocks import BlockAllocator
+from kvforge.kv.compressed_contexts import CompressedContexts
 from kvforge.kv.compressed_prefixes import CompressedPrefixes
 from kvforge.kv.connector import KVConnector
 from kvforge.kv.groups import NULL_BLOCK, KVGroup, StateGroup
@@ -30,7 +31,7 @@ from kvforge.kv.transfers import ConnectorTransfers
 _EMPTY = RequestKV()
 
 
-class KVCacheManager(StagingWindows, RecurrentStates):
+class KVCacheManager(StagingWindows, RecurrentStates, CompressedContexts):
     def __init__(self, spec: KVCacheSpec, fmt: KVFormat, num_blocks: int, block_size: int, device: torch.device,
                  layout: str = "paged", max_model_len: int = 4096, enable_prefix_caching: bool = False,
                  max_num_seqs: int = 1, groups: list[KVGroup] | None = None,
@@ -113,8 +114,8 @@ class KVCacheManager(StagingWindows, RecurrentStates):
         if self.prefix_tree is None:
             held = self.requests.get(req.request_id)  # a swapped-in request holds its restored tokens
             return held.num_matched if held is not None else req.num_computed_tokens
-        usable = (req.num_tokens - 1) // self.block_size * self.block_size
-        tokens = req.token_ids[:usable]
+        tokens = self._usable_tokens(req)
+        usable = len(tokens)
         held = self.requests.get(req.request_id)
         if held is not None:
             if self._peek(tokens, req.cache_salt) <= held.num_matched:
@@ -145,42 +146,12 @@ class KVCacheManager(StagingWindows, RecurrentStates):
         touches nothing (a recurrent model's checkpoints and compressed prefixes are not consulted)."""
         if self.prefix_tree is None:
             return 0
-        tokens = req.token_ids[:(req.num_tokens - 1) // self.block_size * self.block_size]
+        tokens = self._usable_tokens(req)
         return min(tree.peek_prefix(tokens, req.cache_salt) for tree in self.prefix_trees)
 
-    def keep_compressed(self, namespace: str) -> None:
-        """Keep compressed contexts (store_compressed) for later prompts that start with them; the prefix tree is
-        off under an evicting policy, so this is the only sharing then."""
-        self.compressed = CompressedPrefixes(self.allocator, namespace)
-
-    def store_compressed(self, req, policy_state) -> bool:
-        """Offer req's compressed prompt (every cached row, whole blocks only) to later requests; False when its
-        rows do not fill whole blocks or it holds more than its prompt."""
-        rows, n = self.cache_len(req), req.num_computed_tokens
-        if self.compressed is None or rows % self.block_size or n != len(req.prompt_token_ids):
-            return False
-        state = self.requests[req.request_id]
-        tables = [t[: rows // self.block_size] for t in state.block_tables]
-        if self.compressed.store(req.cache_salt, req.prompt_token_ids, tables, rows, policy_state) and self.connector:
-            self.connector.on_compressed(self.compressed.namespace, req.prompt_token_ids, req.cache_salt, rows,
-                                         policy_state, tables[0], compressed=True)
-        return True
-
-    def _match_compressed(self, req) -> int:
-        entry = self.compressed.match(req.cache_salt, req.token_ids)
-        if entry is None:
-            if self.connector is not None:
-                self.transfers.start_compressed_load(req)
-            return req.num_computed_tokens
-        return self.adopt_compressed(req, entry)
-
-    def adopt_compressed(self, req, entry) -> int:
-        """req holds a kept compressed context (kvforge.kv.compressed_prefixes.CompressedPrefix) as its first tokens."""
-        state = self._state(req)
-        state.block_tables, state.policy_state = self.compressed.adopt(entry)
-        state.num_evicted = entry.num_tokens - entry.rows
-        state.num_matched = state.num_adopted = entry.num_tokens
-        return entry.num_tokens
+    def _usable_tokens(self, req) -> list[int]:
+        """req's tokens a prefix match may cover: whole blocks, at least one token left to compute."""
+        return req.token_ids[:(req.num_tokens - 1) // self.block_size * self.block_size]
 
     def _peek(self, tokens, salt) -> int:
         """Tokens cached in every group: all full-attention blocks, and each sliding group's blocks of the
@@ -228,9 +199,7 @@ class KVCacheManager(StagingWindows, RecurrentStates):
             needs = [blocks_for_tokens(self.group_cache_len(req, g) + num_new_tokens, self.block_size)
                      - len(self.block_table(req, g)) for g in range(len(self.groups))]
         need = sum(max(0, n) for n in needs)
-        if need > 0 and not self.allocator.can_allocate(need):
-            self._reclaim(need - self.allocator.num_free)
-        if need > 0 and not self.allocator.can_allocate(need):
+        if need > 0 and not self.make_room(need):
             return False
         needs_state = self.state_pool is not None and (state is None or state.state_slot is None)
         if needs_state and self.state_pool.num_free == 0:
@@ -258,6 +227,12 @@ class KVCacheManager(StagingWindows, RecurrentStates):
                 self.allocator.decref([table[j]])
                 table[j] = NULL_BLOCK
                 j -= 1
+
+    def make_room(self, num_blocks: int) -> bool:
+        """Whether num_blocks blocks can be allocated, idle cached blocks reclaimed for them where needed."""
+        if not self.allocator.can_allocate(num_blocks):
+            self._reclaim(num_blocks - self.allocator.num_free)
+        return self.allocator.can_allocate(num_blocks)
 
     def _reclaim(self, num_blocks: int) -> int:
         freed = 0  # sliding trees first: what they drop lies behind some window

@@ -136,9 +136,7 @@ class ConnectorTransfers:
                 return False
             tree.lock(held.node)  # its blocks must outlive the reclaim that makes room for the new ones
             try:
-                if not kv.allocator.can_allocate(len(blocks)):
-                    kv._reclaim(len(blocks) - kv.allocator.num_free)
-                if not kv.allocator.can_allocate(len(blocks)):
+                if not kv.make_room(len(blocks)):
                     return False
                 ids = kv.allocator.allocate(len(blocks))
                 kv.peak_blocks_used = max(kv.peak_blocks_used, kv.allocator.num_used)
@@ -157,9 +155,7 @@ class ConnectorTransfers:
         n = len(fetch.payloads) if fetch is not None else 0
         if not n:
             return
-        if not kv.allocator.can_allocate(n):
-            kv._reclaim(n - kv.allocator.num_free)
-        if not kv.allocator.can_allocate(n):
+        if not kv.make_room(n):
             return
         ids = kv.allocator.allocate(n)
         kv.peak_blocks_used = max(kv.peak_blocks_used, kv.allocator.num_used)
@@ -190,9 +186,7 @@ class ConnectorTransfers:
         if kv.state_pool is not None and kv.state_pool.num_free == 0:
             return False  # its recurrent state needs a slot too
         need = min(kv.connector.swapped_blocks(req.request_id) + 1, kv.allocator.num_blocks)
-        if not kv.allocator.can_allocate(need):
-            kv._reclaim(need - kv.allocator.num_free)
-        return kv.allocator.can_allocate(need)
+        return kv.make_room(need)
 
     def swap_out(self, req) -> bool:
         """Move req's blocks out through the connector and free them; False when there is nothing to swap to."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 from kvforge.kv.tiers.compressed_tiers import encode
 from kvforge.kv.tiers.keys import BlockKey
@@ -56,26 +57,11 @@ def persist_cached(connector, tree, deadline: float) -> tuple[int, int]:
             queued += len(items)
         else:
             skipped += len(items)
-    held = connector.held_checkpoints() if getattr(connector, "held_checkpoints", None) is not None else []
-    for tokens, salt, payload in held:  # a recurrent model's state checkpoints in memory
+    for key, payload in _held_entries(connector):  # state checkpoints and compressed prompts in memory
         if time.monotonic() >= deadline:
             skipped += 1
-            continue
-        key = connector.states.key(tokens, salt)
-        if _lacking(chain, [key], targets)[0]:
+        elif _lacking(chain, [key], targets)[0]:
             if chain.store_to([(key, payload())], targets, push=False):
-                queued += 1
-            else:
-                skipped += 1
-    held = connector.held_compressed() if getattr(connector, "held_compressed", None) is not None else []
-    for policy, salt, tokens, rows, state, ids in held:  # kvzip's compressed prompts in memory
-        if time.monotonic() >= deadline:
-            skipped += 1
-            continue
-        key = connector.compressed.key(policy, salt, tokens)
-        if _lacking(chain, [key], targets)[0]:
-            payload = encode(rows, len(tokens), state, connector.block_io.export_blocks(ids))
-            if chain.store_to([(key, payload)], targets, push=False):
                 queued += 1
             else:
                 skipped += 1
@@ -93,6 +79,22 @@ def persist_cached(connector, tree, deadline: float) -> tuple[int, int]:
         else:
             skipped += len(items)
     return queued, skipped
+
+
+def _held_entries(connector):
+    """(key, payload()) of each entry the manager holds in memory beside its blocks: a recurrent model's state
+    checkpoints, kvzip's compressed prompts."""
+    held = getattr(connector, "held_checkpoints", None)
+    for tokens, salt, payload in held() if held is not None else []:
+        yield connector.states.key(tokens, salt), payload
+    held = getattr(connector, "held_compressed", None)
+    for policy, salt, tokens, rows, state, ids in held() if held is not None else []:
+        yield connector.compressed.key(policy, salt, tokens), partial(_compressed_payload, connector, rows,
+                                                                       len(tokens), state, ids)
+
+
+def _compressed_payload(connector, rows: int, num_tokens: int, state, block_ids: list[int]) -> bytes:
+    return encode(rows, num_tokens, state, connector.block_io.export_blocks(block_ids))
 
 
 def _lacking(chain, keys: list[BlockKey], targets: list[int]) -> list[bool]:
