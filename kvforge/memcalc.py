@@ -339,7 +339,8 @@ def _resolve_gguf(path: Path) -> ResolvedModel:
     the weights."""
     import mmap
 
-    from kvforge.models.gguf_loader import read_gguf_config, read_gguf_header
+    from kvforge.models.gguf_header import read_gguf_header
+    from kvforge.models.gguf_loader import read_gguf_config
 
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:

@@ -27,10 +27,10 @@ COPY_BYTES = 256 << 20  # far above any last-level cache
 def gguf_bytes_per_token(path: str | os.PathLike[str]) -> int:
     """Bytes of a GGUF's tensors one decode token reads: all of them but the embedding table, which is read whole
     only as a tied LM head (no output.weight)."""
-    from kvforge.models.gguf_loader import _open, read_gguf_header
+    from kvforge.models.gguf_header import open_gguf, read_gguf_header
 
     path = os.fspath(path)
-    _, tensors = read_gguf_header(path, _open(path))
+    _, tensors = read_gguf_header(path, open_gguf(path))
     tied = not any(t.name == LM_HEAD for t in tensors)
     return sum(t.nbytes for t in tensors if t.name != EMBEDDING or tied)
 

@@ -12,14 +12,14 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from kvforge.models.gguf_loader import _open, read_gguf_header
+from kvforge.models.gguf_header import open_gguf, read_gguf_header
 from kvforge.models.gguf_quants import DEQUANTIZE, dequantize_torch
 from kvforge.models.packaged import packaged_model_path
 
 
 def compare(path: str) -> dict[str, float]:
     """Seconds to dequantize every tensor of a block type both handle, each way, in one run."""
-    buf = _open(path)
+    buf = open_gguf(path)
     raws = [(t, np.frombuffer(buf, np.uint8, t.nbytes, t.start).reshape(t.shape[0], -1))
             for t in read_gguf_header(path, buf)[1] if t.qtype in DEQUANTIZE and len(t.shape) == 2]
     start = time.perf_counter()

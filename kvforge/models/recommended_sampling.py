@@ -53,10 +53,10 @@ def _from_generation_config(directory: str) -> RecommendedSampling:
 
 
 def _from_gguf(path: str) -> RecommendedSampling:
-    from kvforge.models.gguf_loader import _open, read_gguf_header
+    from kvforge.models.gguf_header import open_gguf, read_gguf_header
 
     try:
-        meta, _ = read_gguf_header(path, _open(path))
+        meta, _ = read_gguf_header(path, open_gguf(path))
     except Exception:  # noqa: BLE001 - the loader reports a broken file with its own message
         return RecommendedSampling()
     values = _clean({ours: meta.get(key) for key, ours in _GGUF_FIELDS.items()})

@@ -15,7 +15,7 @@ from hf_reference import hf_greedy
 from kvforge import LLM, SamplingParams
 from kvforge.config import EngineConfig
 from kvforge.engine.engine import LLMEngine
-from kvforge.models.gguf_loader import _open, read_gguf_header
+from kvforge.models.gguf_header import open_gguf, read_gguf_header
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def test_tokenizer_token_for_token_with_transformers(gemma_path, llm):
 
 
 def test_every_weight_equals_transformers(gemma_path, hf_gemma, llm):
-    kinds = Counter(t.qtype.name for t in read_gguf_header(gemma_path, _open(gemma_path))[1])
+    kinds = Counter(t.qtype.name for t in read_gguf_header(gemma_path, open_gguf(gemma_path))[1])
     assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= kinds.keys()
     ours = llm.engine.loaded.model.state_dict()
     theirs = hf_gemma.state_dict()

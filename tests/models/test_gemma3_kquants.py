@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from kvforge import LLM, EngineConfig, SamplingParams
 from kvforge.engine.engine import LLMEngine
-from kvforge.models.gguf_loader import _open, read_gguf_header
+from kvforge.models.gguf_header import open_gguf, read_gguf_header
 from kvforge.models.loader import load_model
 from kvforge.models.quant_weights import block_weights, blocks_of
 from kvforge.ops.int8 import compiled_for
@@ -40,7 +40,7 @@ def _tokens(loaded, weights: str) -> list[list[int]]:
 
 
 def test_k_quant_tensors_are_the_files_bytes_and_dequantize_as_the_fp32_load(gemma_path, gemma_auto):
-    buf = _open(gemma_path)
+    buf = open_gguf(gemma_path)
     table = {t.name: t for t in read_gguf_header(gemma_path, buf)[1]}
     held = Counter(Q(blocks_of(t).qtype).name for t in block_weights(gemma_auto.model))
     assert held["Q4_K"] == 27 and held["Q6_K"] == 9  # every K-quant tensor of the file, none dequantized
@@ -58,7 +58,7 @@ def test_k_quant_tensors_are_the_files_bytes_and_dequantize_as_the_fp32_load(gem
 def test_mixed_q5_0_q8_0_qkv_fuses_as_q8_0_and_weights_stay_within_1_1x_the_file(gemma_path, gemma_auto):
     from kvforge.models.weight_store import planned_bytes, prepare_weights, resident_bytes
 
-    buf = _open(gemma_path)
+    buf = open_gguf(gemma_path)
     table = {t.name: t for t in read_gguf_header(gemma_path, buf)[1]}
     assert Q(table["blk.0.attn_q.weight"].qtype) == Q.Q5_0 and Q(table["blk.0.attn_v.weight"].qtype) == Q.Q8_0
     for i, layer in enumerate(gemma_auto.model.model.layers):  # 10 layers of Q5_0 q/k with a Q8_0 v, 8 all Q5_0

@@ -7,7 +7,7 @@ import torch
 
 from kvforge import LLM, EngineConfig
 from kvforge.engine.engine import LLMEngine
-from kvforge.models.gguf_loader import _open, read_gguf_header
+from kvforge.models.gguf_header import open_gguf, read_gguf_header
 from kvforge.models.loader import load_model
 from kvforge.models.quant_weights import QBlockEmbedding, block_weights, blocks_of, holds_blocks
 from kvforge.models.weight_store import planned_bytes, prepare_weights, resident_bytes
@@ -21,7 +21,7 @@ def smol_blocks(smol_path):
 
 
 def test_block_tensors_are_held_as_the_files_bytes_and_nothing_else(smol_path, smol_blocks):
-    _, table = read_gguf_header(smol_path, _open(smol_path))
+    _, table = read_gguf_header(smol_path, open_gguf(smol_path))
     kept = {int(t) for t in BLOCK_TYPES}
     file_bytes = sum(t.nbytes for t in table)
     expected = sum(t.nbytes if int(t.qtype) in kept else 4 * int(np.prod(t.shape)) for t in table)
