@@ -104,7 +104,7 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         computing: set = set()  # first blocks that sequences admitted this step are computing right now
         order, starts = self.prefill_order, None  # starts: fresh requests to start this step (None: as many as fit)
-        if order is not None and self.waiting and budget > 0:
+        if order is not None and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             starts = order.plan(self.waiting, self.kv.cached_prefix, budget, self.max_num_batched_tokens - budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
